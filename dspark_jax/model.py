@@ -1,0 +1,107 @@
+"""The target decoder (Llama and Qwen3 families) in Flax NNX, with one forward for every phase.
+
+`Decoder.__call__(tokens [B, T], cache, num_new [B])` serves prefill (T = prompt length), decode (T = 1)
+and speculative verification (T = ℓ+1, padded to a capacity bucket): row b's tokens sit at positions
+cache.lengths[b] + t, only the first num_new[b] of them are real, and each query attends causally to its
+own row's cache. It can also return the hidden states of chosen layers, concatenated — what the
+drafter's KV injection reads (paper eq. 2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import ModelConfig
+from dspark_jax.kv_cache import KVCache, write_kv
+from dspark_jax.layers import Projections, RMSNorm, SwiGLU, apply_rope, attention, rope_inv_freq
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.attn_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Projections(dim=D, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim, bias=cfg.attention_bias, qk_norm=cfg.qk_norm,
+                                eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(dim=D, ffn=cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, k_buf, v_buf, mask):
+        """x [B, T, D]; positions [B, T]; k_buf, v_buf [B, K, S, H]; mask [B, T, S] → (x, k_buf, v_buf)."""
+        q, k, v = self.attn.qkv(self.attn_norm(x))
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        k_buf, v_buf = write_kv(k_buf, k, positions), write_kv(v_buf, v, positions)
+        x = x + self.attn.out(attention(q, k_buf, v_buf, mask))
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, k_buf, v_buf
+
+
+class Decoder(nnx.Module):
+    """Embedding → N decoder layers → final RMSNorm → LM head (tied or untied)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                                               dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
+                                                                   (cfg.hidden_size, cfg.vocab_size), dtype))
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.cfg
+        return KVCache.init(num_layers=c.num_layers, batch=batch, num_kv_heads=c.num_kv_heads,
+                            capacity=capacity, head_dim=c.head_dim, dtype=self.dtype)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """int32 [B, T] → [B, T, D]."""
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """Final-normed hidden states [..., D] → float32 logits [..., V]. The drafter borrows this, frozen."""
+        w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
+                 hidden_layers: tuple[int, ...] = (), compute_logits: bool = True):
+        """One forward over a block of new tokens per row.
+
+        Args:
+            tokens: int32 [B, T]; row b's real tokens are the first num_new[b].
+            cache: KVCache with capacity ≥ lengths + T for every row (writes past capacity are dropped).
+            num_new: int32 [B], defaults to T for every row.
+            hidden_layers: indices of layers whose outputs to return (0-based; layer i's output is HF's
+                `hidden_states[i + 1]`).
+            compute_logits: False skips the LM head (prefill of a long prompt only needs the last position).
+
+        Returns:
+            (logits float32 [B, T, V] or final-normed hidden [B, T, D] when compute_logits is False,
+             new cache with lengths advanced by num_new, hidden float32 [B, T, len(hidden_layers)·D] or None).
+        """
+        B, T = tokens.shape
+        if num_new is None:
+            num_new = jnp.full((B,), T, jnp.int32)
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+        S = cache.capacity
+        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S] causal over own row
+        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
+
+        x = self.embed_tokens(tokens)
+        ks, vs, saved = [], [], {}
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], mask)
+            ks.append(k)
+            vs.append(v)
+            if i in hidden_layers:
+                saved[i] = x
+        hidden = jnp.concatenate([saved[i] for i in hidden_layers], -1).astype(jnp.float32) if hidden_layers \
+            else None
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new.astype(jnp.int32))
+        h = self.final_norm(x)
+        return (self.head(h) if compute_logits else h), new_cache, hidden
