@@ -1,0 +1,173 @@
+"""`Drafter`: a drafter network bound to its config, block sampling, and Orbax checkpoints.
+
+Block sampling (`draft_block`, one jitted function) returns, for a batch of anchors:
+  draft tokens x_1..x_L [B, L], the filtered draft distributions q_k [B, L, V] that rejection sampling needs,
+  conditional confidences c_k [B, L] (calibrated if the checkpoint carries temperatures) — survival
+  a_k = c_1⋯c_k is `scheduling.survival(c)`.
+DSpark applies the sequential head left to right with `lax.scan` (eq. 4): logits_k = U_k + B_k(x_{k−1}).
+Filtering (temperature, top-k, top-p) is the same function the target's side uses, so verification
+compares like with like. Drafters without a confidence head report c_k = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.drafter_config import DrafterConfig
+from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead
+from dspark_jax.sampling import filter_probs, sample
+
+CONFIG_FILE = "drafter_config.json"
+PARAMS_DIR = "params"
+
+
+def _step_keys(keys, k):
+    return jax.vmap(lambda key: jax.random.fold_in(key, k))(keys)
+
+
+def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor, keys, temperature, top_k, top_p):
+    """Drafts one block per row.
+
+    Args:
+        graphdef, params: the split DrafterModel.
+        head: the target's embedding and LM head.
+        cache: the drafter's context cache; cache.lengths = committed tokens (n) for dspark/dflash.
+        anchor: int32 [B], the last emitted token (position n).
+        keys: typed PRNG keys [B] for this round (one stream per row).
+        temperature, top_k, top_p: per-row filtering [B].
+
+    Returns:
+        (draft tokens int32 [B, L], draft probs f32 [B, L, V], confidence f32 [B, L]).
+    """
+    model: DrafterModel = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    L = cfg.block_size
+    B = anchor.shape[0]
+    if cfg.kind == "eagle3":
+        return _draft_eagle(model, head, cache, anchor, keys, temperature, top_k, top_p)
+    h = model.block_hidden(head, cache, anchor, cache.lengths)  # [B, L, D]
+    U = head.logits(h)  # [B, L, V]
+    if cfg.head == "none":  # DFlash: every position sampled independently from its marginal
+        probs = filter_probs(U, temperature, top_k, top_p)
+        tok = jax.vmap(lambda k, p: jax.vmap(lambda j, pj: sample(jax.random.fold_in(k, j), pj))(
+            jnp.arange(L), p))(keys, probs)
+        return tok.astype(jnp.int32), probs, jnp.ones((B, L), jnp.float32)
+
+    temps = jnp.asarray(cfg.calibration, jnp.float32) if cfg.calibration else jnp.ones((L,), jnp.float32)
+
+    def body(carry, inputs):
+        prev, state = carry
+        k, h_k, U_k, t_k = inputs
+        e = model.markov_embedding(prev)  # [B, R]
+        bias, state = model.sequential_bias(e, h_k, state)
+        probs = filter_probs(U_k + bias, temperature, top_k, top_p)
+        x = sample(_step_keys(keys, k), probs)
+        conf = jax.nn.sigmoid(model.confidence_logit(h_k, e) / t_k) if cfg.confidence else jnp.ones((B,))
+        return (x, state), (x, probs, conf)
+
+    state0 = jnp.zeros((B, cfg.markov_rank), model.markov_w1[...].dtype)
+    xs = (jnp.arange(L), h.swapaxes(0, 1), U.swapaxes(0, 1), temps)
+    _, (tok, probs, conf) = jax.lax.scan(body, (anchor, state0), xs)
+    return tok.T.astype(jnp.int32), probs.swapaxes(0, 1), conf.T.astype(jnp.float32)
+
+
+def _draft_eagle(model: DrafterModel, head, cache, anchor, keys, temperature, top_k, top_p):
+    """EAGLE-3: L sequential steps; step k feeds (x_{n+k}, feature) at position n−1+k."""
+    cfg = model.cfg
+    L, B = cfg.block_size, anchor.shape[0]
+    shape = (B, cfg.num_kv_heads, L, cfg.head_dim)
+    dtype = cache.k[0].dtype
+
+    def body(carry, k):
+        tok, feat, ek, ev, emask = carry
+        out, h, (kk, vv) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, (ek, ev, emask))
+        probs = filter_probs(head.logits(h), temperature, top_k, top_p)
+        x = sample(_step_keys(keys, k), probs)
+        ek = jax.lax.dynamic_update_index_in_dim(ek, kk.astype(dtype), k, 2)
+        ev = jax.lax.dynamic_update_index_in_dim(ev, vv.astype(dtype), k, 2)
+        emask = emask.at[:, k].set(True)
+        return (x, out.astype(feat.dtype), ek, ev, emask), (x, probs)
+
+    init = (anchor, cache.last_feature, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((B, L), bool))
+    _, (tok, probs) = jax.lax.scan(body, init, jnp.arange(L))
+    return tok.T.astype(jnp.int32), probs.swapaxes(0, 1), jnp.ones((B, L), jnp.float32)
+
+
+class Drafter:
+    """A drafter network with its config; the target's embedding and LM head are borrowed at call time."""
+
+    def __init__(self, config: DrafterConfig, model: DrafterModel):
+        self.config = config
+        self.graphdef, self.params = nnx.split(model)
+
+    def module(self) -> DrafterModel:
+        return nnx.merge(self.graphdef, self.params)
+
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+    def init_cache(self, batch: int, capacity: int) -> DrafterCache:
+        return self.module().init_cache(batch, capacity)
+
+    def check_target(self, target) -> None:
+        from dspark_jax.drafter_config import target_fingerprint
+
+        want, have = self.config.target_fingerprint, target_fingerprint(target.config)
+        if want and want != have:
+            diff = {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)}
+            raise ValueError(f"drafter was trained for a different target: (drafter, target) differ in {diff}")
+
+    def save(self, path: str) -> None:
+        """Writes `drafter_config.json` and an Orbax checkpoint of the parameters under `path`."""
+        import orbax.checkpoint as ocp
+
+        path = os.path.abspath(path)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, CONFIG_FILE), "w") as f:
+            json.dump(self.config.to_dict(), f, indent=2)
+        pure = nnx.to_pure_dict(self.params)
+        ckpt = os.path.join(path, PARAMS_DIR)
+        with ocp.StandardCheckpointer() as c:
+            c.save(ckpt, pure, force=True)
+
+
+def init_drafter(target, kind: str = "dspark", seed: int = 0, block_size: int = 7, **overrides) -> Drafter:
+    """An untrained drafter for `target` (see DrafterConfig.for_target for defaults and overrides)."""
+    cfg = DrafterConfig.for_target(target.config, kind=kind, block_size=block_size, **overrides)
+    return Drafter(cfg, DrafterModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(seed)))
+
+
+def load_drafter(path: str, target) -> Drafter:
+    """Loads a drafter saved by `Drafter.save` and checks it was made for `target`.
+
+    Raises:
+        ValueError with a one-line message for a missing, corrupt or mismatched checkpoint.
+    """
+    import orbax.checkpoint as ocp
+
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"not a drafter checkpoint: {cfg_path} does not exist")
+    try:
+        with open(cfg_path) as f:
+            cfg = DrafterConfig.from_dict(json.load(f))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"corrupt drafter config {cfg_path}: {e}") from None
+    abstract = nnx.eval_shape(lambda: DrafterModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(0)))
+    drafter = Drafter(cfg, abstract)
+    drafter.check_target(target)
+    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(drafter.params))
+    try:
+        with ocp.StandardCheckpointer() as c:
+            restored = c.restore(os.path.join(os.path.abspath(path), PARAMS_DIR), target_tree)
+    except Exception as e:  # orbax raises many types for truncated/missing files
+        raise ValueError(f"corrupt or incompatible drafter checkpoint at {path}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    nnx.replace_by_pure_dict(drafter.params, restored)
+    return drafter

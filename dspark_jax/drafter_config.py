@@ -1,0 +1,111 @@
+"""Drafter configuration: one frozen dataclass for all three drafters of the paper's comparison (§4.1).
+
+  dspark  — DFlash backbone (anchor + L−1 masks → L logits) + a sequential head (Markov or RNN, §3.1)
+            + a confidence head (§3.2.1).
+  dflash  — the same backbone without sequential or confidence head: anchor + L masks, predicting the masks.
+  eagle3  — a one-layer autoregressive drafter over fused low/mid/high target features (training-time test).
+
+All three read the same target layers (`target_layers`) and borrow the target's frozen embedding and LM head.
+`target_fingerprint` records which target a drafter was built for, so loading against another is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dspark_jax.config import ModelConfig, RopeConfig
+
+KINDS = ("dspark", "dflash", "eagle3")
+HEADS = ("markov", "rnn", "none")
+
+
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high target layers (EAGLE-3's choice; DFlash also spreads them over depth)."""
+    return tuple(sorted({min(1, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}))
+
+
+def target_fingerprint(cfg: ModelConfig) -> dict:
+    """What must match between a drafter and its target (shapes it reads and the vocabulary it emits)."""
+    return {"model_type": cfg.model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "num_layers": cfg.num_layers}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    """Drafter hyperparameters (D = target hidden size: the drafter reads the target's embeddings directly)."""
+
+    kind: str = "dspark"
+    block_size: int = 7  # L
+    num_layers: int = 5
+    hidden_size: int  # = target D
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+    qk_norm: bool = False
+    target_layers: tuple[int, ...] = ()
+    head: str = "markov"  # sequential head: markov | rnn | none
+    markov_rank: int = 256  # R
+    confidence: bool = True
+    # Sequential temperature scaling (§3.2.1), one temperature per block position; () = uncalibrated.
+    calibration: tuple[float, ...] = ()
+    target_fingerprint: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown drafter kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.head not in HEADS:
+            raise ValueError(f"unknown sequential head {self.head!r}; choose one of {', '.join(HEADS)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kind != "dspark" and (self.head != "none" or self.confidence):
+            raise ValueError(f"{self.kind} has no sequential or confidence head (head='none', confidence=False)")
+        if self.confidence and self.head == "none":
+            raise ValueError("the confidence head reads the Markov embedding W1[x_{k-1}]: it needs head markov|rnn")
+        if self.kind == "eagle3" and self.num_layers != 1:
+            raise ValueError(f"the EAGLE-3 drafter has exactly one layer, got num_layers={self.num_layers}")
+        if not self.target_layers:
+            raise ValueError("target_layers must name at least one target layer")
+        if self.calibration and len(self.calibration) != self.block_size:
+            raise ValueError(f"calibration needs {self.block_size} temperatures, got {len(self.calibration)}")
+
+    @classmethod
+    def for_target(cls, target_cfg: ModelConfig, kind: str = "dspark", **overrides) -> DrafterConfig:
+        """Defaults for a target: its width, heads and RoPE; 5 layers (1 for EAGLE-3); its low/mid/high layers."""
+        base = dict(
+            kind=kind, num_layers=1 if kind == "eagle3" else 5, hidden_size=target_cfg.hidden_size,
+            num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
+            intermediate_size=target_cfg.intermediate_size, vocab_size=target_cfg.vocab_size,
+            rms_norm_eps=target_cfg.rms_norm_eps, rope=target_cfg.rope, qk_norm=target_cfg.qk_norm,
+            target_layers=default_target_layers(target_cfg.num_layers),
+            head="markov" if kind == "dspark" else "none", confidence=kind == "dspark",
+            target_fingerprint=target_fingerprint(target_cfg),
+        )
+        base.update(overrides)
+        if "target_layers" in overrides:
+            base["target_layers"] = tuple(overrides["target_layers"])
+        bad = [i for i in base["target_layers"] if not 0 <= i < target_cfg.num_layers]
+        if bad:
+            raise ValueError(f"target_layers {bad} out of range for a {target_cfg.num_layers}-layer target")
+        return cls(**base)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["target_layers"] = list(self.target_layers)
+        d["calibration"] = list(self.calibration)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DrafterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown drafter config keys: {unknown}")
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"]) if isinstance(d.get("rope"), dict) else d.get("rope", RopeConfig())
+        d["target_layers"] = tuple(d.get("target_layers", ()))
+        d["calibration"] = tuple(d.get("calibration", ()))
+        return cls(**d)

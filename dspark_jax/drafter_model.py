@@ -1,0 +1,220 @@
+"""The drafter network: DFlash backbone with KV injection (paper §2.2, eq. 2–3), the sequential heads
+(Markov eq. 5, RNN eq. 6), the confidence head (eq. 7), and the EAGLE-3-style autoregressive layer.
+
+Context features. For every committed context token the target's hidden states at `target_layers` are
+concatenated [B, T, m·D], projected by `fc` + RMSNorm to the drafter width (H_ctx, eq. 2), and each drafter
+layer's k/v projections of H_ctx are written once into the drafter's context cache (eq. 3) — never recomputed.
+
+Block pass (dspark/dflash). Inputs: the anchor's embedding then mask embeddings, at absolute positions
+n, n+1, …; each block query attends to the whole context cache and bidirectionally to the block.
+Output hidden states h_k; base logits U_k = the target's frozen LM head applied to them.
+
+EAGLE-3. One layer over [embedding(x_{t+1}); fused feature f_t] (f_t = fc(target features) for context,
+the drafter's own output for drafted positions), run token by token.
+
+Parameters of the target (embedding, LM head) are passed in at call time, never copied: `TargetHead`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dspark_jax.drafter_config import DrafterConfig
+from dspark_jax.kv_cache import write_kv
+from dspark_jax.layers import Projections, RMSNorm, SwiGLU, apply_rope, attention, rope_inv_freq
+
+
+@struct.dataclass
+class TargetHead:
+    """The target's frozen, shared pieces: embedding [V, D] and LM head [D, V]."""
+
+    embed: jax.Array
+    lm_head: jax.Array
+
+    @classmethod
+    def from_params(cls, params, tied: bool) -> TargetHead:
+        embed = params["embed"][...]
+        return cls(embed=embed, lm_head=embed.T if tied else params["lm_head"][...])
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        return jnp.einsum("...D,DV->...V", h, self.lm_head, preferred_element_type=jnp.float32)
+
+
+@struct.dataclass
+class DrafterCache:
+    """Context K/V of every drafter layer [B, K, S, H] for committed tokens, plus EAGLE-3's last feature.
+
+    `lengths` [B] counts context entries (= target lengths for dspark/dflash; target lengths − 1 for eagle3,
+    whose entry t pairs feature f_t with the *next* token x_{t+1}). `last_feature` [B, D] is f_{n−1} (eagle3).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+    last_feature: jax.Array
+
+
+class DrafterLayer(nnx.Module):
+    """Pre-norm transformer layer whose attention also reads the injected context cache."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.attn_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Projections(dim=D, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim, bias=False, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
+                                dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(dim=D, ffn=cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def context_kv(self, h_ctx, positions, inv_freq):
+        """h_ctx [B, T, D] (already normed) → k, v [B, T, K, H] with RoPE on k."""
+        _, k, v = self.attn.qkv(h_ctx)
+        return apply_rope(k, positions, inv_freq), v
+
+    def __call__(self, x, positions, inv_freq, ctx_k, ctx_v, ctx_mask, block_mask, extra_kv=None):
+        """x [B, T, D] at positions [B, T]; ctx_k/v [B, K, S, H]; ctx_mask [B, T, S]; block_mask [B, T, T'].
+
+        `extra_kv` (eagle3) = (k, v, mask) of earlier drafted positions [B, K, J, H], prepended to the block.
+        """
+        q, k, v = self.attn.qkv(self.attn_norm(x))
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
+        keys, values, mask = [ctx_k], [ctx_v], [ctx_mask]
+        if extra_kv is not None:
+            keys.append(extra_kv[0])
+            values.append(extra_kv[1])
+            mask.append(extra_kv[2])
+        keys.append(k)
+        values.append(v)
+        mask.append(block_mask)
+        a = attention(q, jnp.concatenate(keys, 2), jnp.concatenate(values, 2), jnp.concatenate(mask, 2))
+        x = x + self.attn.out(a)
+        return x + self.mlp(self.mlp_norm(x)), (k, v)
+
+
+class DrafterModel(nnx.Module):
+    """All drafter parameters (the target's embedding and head are not among them: see TargetHead)."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, R, V = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
+        init = nnx.initializers.normal(0.02)
+        self.fc = nnx.Param(init(rngs.params(), (len(cfg.target_layers) * D, D), dtype))
+        self.ctx_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        if cfg.kind == "eagle3":
+            # [norm(embedding); norm(feature)] → D, EAGLE-3's fused input.
+            self.input_fc = nnx.Param(init(rngs.params(), (2 * D, D), dtype))
+            self.embed_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.mask_embed = nnx.Param(init(rngs.params(), (D,), dtype))
+        if cfg.head != "none":
+            self.markov_w1 = nnx.Param(init(rngs.params(), (V, R), dtype))  # Markov embedding
+            # W2 starts at zero: an untrained head leaves the backbone's logits untouched.
+            self.markov_w2 = nnx.Param(jnp.zeros((R, V), dtype))
+        if cfg.head == "rnn":
+            self.rnn = nnx.Param(init(rngs.params(), (2 * R + D, 3 * R), dtype))  # gate | candidate | out
+        if cfg.confidence:
+            self.conf_w = nnx.Param(jnp.zeros((D + R,), dtype))
+            self.conf_b = nnx.Param(jnp.zeros((), dtype))
+
+    # ---- context -------------------------------------------------------------------------------------------
+    def init_cache(self, batch: int, capacity: int) -> DrafterCache:
+        c = self.cfg
+        shape = (batch, c.num_kv_heads, capacity, c.head_dim)
+        dtype = self.fc[...].dtype
+        return DrafterCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
+                            v=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
+                            lengths=jnp.zeros((batch,), jnp.int32),
+                            last_feature=jnp.zeros((batch, c.hidden_size), dtype))
+
+    def project_features(self, feats: jax.Array) -> jax.Array:
+        """Target hidden states [B, T, m·D] → H_ctx [B, T, D] (eq. 2; EAGLE-3's fused feature too)."""
+        h = jnp.einsum("BTE,ED->BTD", feats.astype(self.fc[...].dtype), self.fc[...])
+        return self.ctx_norm(h)
+
+    def eagle_input(self, head: TargetHead, tokens, feature):
+        """EAGLE-3 layer input from tokens [B, T] and fused features [B, T, D]."""
+        e = self.embed_norm(jnp.take(head.embed, tokens, axis=0).astype(feature.dtype))
+        return jnp.einsum("BTE,ED->BTD", jnp.concatenate([e, feature], -1), self.input_fc[...])
+
+    def write_context(self, cache: DrafterCache, head: TargetHead, feats, positions, new_lengths,
+                      next_tokens=None, last_feature=None) -> DrafterCache:
+        """Writes context entries for target features feats [B, T, m·D] at positions [B, T].
+
+        dspark/dflash: entry = fc(feats). eagle3: entry t pairs `next_tokens` [B, T] with the feature; the
+        caller passes features already fused (see spec_decode) via `feats` of width D when `fused`.
+        """
+        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
+        if self.cfg.kind == "eagle3":
+            x = self.eagle_input(head, next_tokens, feats)
+            h = [self.layers[0].attn_norm(x)]
+        else:
+            h = [self.project_features(feats)] * len(self.layers)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(h[i], positions, inv_freq)
+            ks.append(write_kv(cache.k[i], k, positions))
+            vs.append(write_kv(cache.v[i], v, positions))
+        return DrafterCache(k=tuple(ks), v=tuple(vs), lengths=new_lengths.astype(jnp.int32),
+                            last_feature=cache.last_feature if last_feature is None else last_feature)
+
+    # ---- parallel block pass (dspark / dflash) ----------------------------------------------------------------
+    def block_hidden(self, head: TargetHead, cache: DrafterCache, anchor: jax.Array, start: jax.Array):
+        """One parallel pass. anchor [B] at positions `start` [B] (= committed length n).
+
+        Returns h [B, L, D] (final-normed): dspark reads slots 0..L−1 (anchor + L−1 masks); dflash feeds
+        anchor + L masks and reads the L mask slots.
+        """
+        L = self.cfg.block_size
+        n_in = L if self.cfg.kind == "dspark" else L + 1
+        B = anchor.shape[0]
+        emb = jnp.take(head.embed, anchor, axis=0).astype(self.mask_embed[...].dtype)
+        x = jnp.concatenate([emb[:, None], jnp.broadcast_to(self.mask_embed[...], (B, n_in - 1, emb.shape[-1]))], 1)
+        positions = start[:, None] + jnp.arange(n_in, dtype=jnp.int32)
+        S = cache.k[0].shape[2]
+        ctx_mask = jnp.broadcast_to(jnp.arange(S)[None, None] < cache.lengths[:, None, None], (B, n_in, S))
+        block_mask = jnp.ones((B, n_in, n_in), bool)
+        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
+        for i, layer in enumerate(self.layers):
+            x, _ = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx_mask, block_mask)
+        h = self.final_norm(x)
+        return h if self.cfg.kind == "dspark" else h[:, 1:]
+
+    # ---- sequential heads ---------------------------------------------------------------------------------------
+    def markov_embedding(self, prev_tokens: jax.Array) -> jax.Array:
+        """W1[x_{k−1}]: [...] → [..., R]."""
+        return jnp.take(self.markov_w1[...], prev_tokens, axis=0)
+
+    def sequential_bias(self, e, h_k, state):
+        """Bias B_k [B, V] and the next RNN state, from the Markov embedding e [B, R] and h_k [B, D]."""
+        w2 = self.markov_w2[...]
+        if self.cfg.head == "markov":  # eq. 5
+            return jnp.einsum("BR,RV->BV", e, w2, preferred_element_type=jnp.float32), state
+        z = jnp.concatenate([state, e, h_k.astype(e.dtype)], -1)  # eq. 6
+        g, c, o = jnp.split(jnp.einsum("BZ,ZR->BR", z, self.rnn[...]), 3, axis=-1)
+        gate = jax.nn.sigmoid(g)
+        state = gate * state + (1 - gate) * jnp.tanh(c)
+        return jnp.einsum("BR,RV->BV", jnp.tanh(o), w2, preferred_element_type=jnp.float32), state
+
+    def confidence_logit(self, h_k, e):
+        """Pre-sigmoid confidence w·[h_k; W1[x_{k−1}]] + b (eq. 7): [B, D], [B, R] → [B]."""
+        feats = jnp.concatenate([h_k.astype(e.dtype), e], -1)
+        return (feats @ self.conf_w[...] + self.conf_b[...]).astype(jnp.float32)
+
+    # ---- EAGLE-3 autoregressive step -------------------------------------------------------------------------
+    def eagle_step(self, head: TargetHead, cache: DrafterCache, token, feature, position, extra):
+        """One token: token [B], fused feature [B, D] at position [B]; `extra` = (k, v, mask) of earlier
+        drafted steps [B, K, L, H], [B, L]. Returns (pre-norm output [B, D], final-normed h [B, D], (k, v))."""
+        x = self.eagle_input(head, token[:, None], feature[:, None])
+        pos = position[:, None]
+        S = cache.k[0].shape[2]
+        ctx_mask = (jnp.arange(S)[None, None] < cache.lengths[:, None, None])
+        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
+        ek, ev, emask = extra
+        x, (k, v) = self.layers[0](x, pos, inv_freq, cache.k[0], cache.v[0], ctx_mask,
+                                   jnp.ones((token.shape[0], 1, 1), bool), (ek, ev, emask[:, None, :]))
+        return x[:, 0], self.final_norm(x)[:, 0], (k[:, :, 0], v[:, :, 0])

@@ -1,0 +1,80 @@
+"""`python -m dspark_jax.generate`: chat-templated generation from the command line, streaming to stdout.
+
+Target-only by default; `--drafter` decodes speculatively (the output is the same for greedy decoding, and
+identically distributed when sampling). `--json` prints token ids and timings instead of streaming text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dspark_jax import hub
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True, help="the user message; the model's chat template wraps it")
+    p.add_argument("--target", default=hub.DEFAULT_TARGET,
+                   help="a Hugging Face model directory, a .gguf file, or a known name "
+                        f"({', '.join(hub.list_known_targets())}); default: %(default)s")
+    p.add_argument("--drafter", default=None,
+                   help="drafter checkpoint directory or shipped name for speculative decoding (default: none)")
+    p.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep; 1.0 = off")
+    p.add_argument("--seed", type=int, default=0, help="random seed; a fixed seed gives a fixed output")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter/activation dtype (bf16 is slow on CPUs without bf16 GEMM)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with token ids and timings")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import dspark_jax
+
+    try:
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        t0 = time.perf_counter()
+        target = dspark_jax.load_target(args.target, dtype=args.dtype)
+        drafter = dspark_jax.load_drafter(args.drafter, target) if args.drafter else None
+        load_s = time.perf_counter() - t0
+        prompt = target.chat_ids(args.prompt)
+        streamed: list[int] = []
+        shown = [""]
+
+        def stream(row, new):
+            streamed.extend(new)
+            text = target.tokenizer.decode(streamed, skip_special_tokens=True)
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+
+        res = dspark_jax.generate(target, [prompt], drafter, max_new_tokens=args.max_tokens,
+                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  seed=args.seed, on_tokens=None if args.json else stream)
+    except ValueError as e:  # ModelSpecError and bad parameters: one line, exit 2, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        toks = res.tokens[0]
+        dec = res.timings["decode_s"]
+        print(json.dumps({"prompt_ids": prompt, "tokens": toks,
+                          "text": target.tokenizer.decode(toks, skip_special_tokens=True),
+                          "stats": res.stats, "timings": {**res.timings, "load_s": load_s},
+                          "decode_tokens_per_s": (len(toks) - 1) / dec if dec > 0 else None}))
+    else:
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

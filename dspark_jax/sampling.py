@@ -1,0 +1,127 @@
+"""Sampling: per-request logit filtering (temperature, top-k, top-p) and the exponential-trick sampler.
+
+The filtered distribution is the one object both speculative-decoding sides share: the drafter samples its
+draft tokens from it and verification (`verification.py`, Leviathan et al. 2023) compares the target's and
+the drafter's filtered distributions. Filtering is therefore exact (a renormalised distribution, not a
+"filtered logits" approximation) and applied with the same per-request parameters on both sides.
+
+Shapes: logits / probs f32 [B, T, V] or [B, V]; per-request parameters [B] (a serving batch mixes
+requests, so temperature, top-k and top-p are arrays, not Python numbers, and may be traced under jit).
+
+Semantics (vLLM / Hugging Face):
+  * temperature == 0 is greedy: a one-hot at argmax of the raw logits (first index on ties).
+  * top_k == 0 is off; otherwise keep every token whose scaled logit is >= the k-th largest (ties at the
+    k-th value are all kept, as `logits < kth_value` masking does in both libraries).
+  * top_p >= 1 is off; otherwise, after top-k, keep the smallest prefix of the descending order whose
+    mass reaches top_p, including the token that crosses the threshold, and always the most likely token.
+    Equal probabilities are ordered by token index (stable sort), so the lower index is kept first.
+
+Sampling uses the exponential trick `argmax(probs / Exp(1))` (gpt-fast): no cumulative sums, no host
+sync, and a one-hot distribution returns its argmax deterministically.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def filter_probs(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """Temperature / top-k / top-p filtered, renormalised distribution, per request.
+
+    Args:
+      logits: f32 [B, T, V] or [B, V].
+      temperature: f32 [B]; 0 means greedy (one-hot at argmax).
+      top_k: int32 [B]; 0 means off; values above V act as V.
+      top_p: f32 [B]; >= 1.0 means off.
+
+    Returns:
+      probs: f32, same shape as `logits`; each row sums to 1 and is exactly zero outside the kept set.
+    """
+    if logits.ndim not in (2, 3):
+        raise ValueError(f"logits must be [B, V] or [B, T, V], got {logits.shape=}")
+    squeeze = logits.ndim == 2
+    x = logits.astype(jnp.float32)
+    if squeeze:
+        x = x[:, None, :]
+    b, _, v = x.shape
+    for name, arr in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if jnp.shape(arr) != (b,):
+            raise ValueError(f"{name} must have shape [B]={(b,)}, got {jnp.shape(arr)=}")
+
+    temperature = jnp.asarray(temperature, jnp.float32)[:, None, None]  # [B, 1, 1]
+    top_k = jnp.asarray(top_k, jnp.int32)[:, None, None]
+    top_p = jnp.asarray(top_p, jnp.float32)[:, None, None]
+
+    greedy = temperature <= 0.0
+    scaled = x / jnp.where(greedy, 1.0, temperature)
+
+    # Sort once, descending; stable so equal logits keep index order (lower index ranks first).
+    order = jnp.argsort(-scaled, axis=-1, stable=True)  # [B, T, V]
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+
+    # Top-k as a value threshold: everything >= the k-th largest survives (ties included).
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(sorted_logits, k - 1, axis=-1)  # [B, T, 1]
+    keep = sorted_logits >= kth
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    # Top-p on the top-k-renormalised distribution: a token stays if the mass strictly before it is
+    # < top_p, which keeps the token that crosses the threshold. The explicit `top_p >= 1` term keeps
+    # "off" exact even where the float cumsum rounds up to 1 before the tail.
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    rank = jnp.arange(v)
+    keep &= (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)
+    sorted_probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+
+    # Undo the sort: scatter each sorted value back to its token index.
+    probs = jnp.put_along_axis(jnp.zeros_like(sorted_probs), order, sorted_probs, axis=-1, inplace=False)
+
+    one_hot = jax.nn.one_hot(jnp.argmax(x, axis=-1), v, dtype=jnp.float32)
+    probs = jnp.where(greedy, one_hot, probs)
+    return probs[:, 0, :] if squeeze else probs
+
+
+def row_keys(key: jax.Array, n: int) -> jax.Array:
+    """One independent key per batch row: `jax.random.split(key, n)`, shape [n, ...key shape]."""
+    return jax.random.split(key, n)
+
+
+def _is_batched_key(key: jax.Array) -> bool:
+    """True for a leading batch axis of keys: typed [B] or raw uint32 [B, 2]."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.ndim == 1
+    return key.ndim == 2
+
+
+def _sample_one(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """Exponential trick on one key; probs [..., V] -> int32 [...]."""
+    e = jax.random.exponential(key, probs.shape, dtype=jnp.float32)
+    # Zero-probability tokens get -1 so they can never win, even when Exp(1) draws exactly 0
+    # (uniform bits can be 0, and 0 / 0 = NaN would win a jnp.argmax).
+    score = jnp.where(probs > 0, probs / e, -1.0)
+    return jnp.argmax(score, axis=-1).astype(jnp.int32)
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """Draw one token per distribution: `argmax(probs / Exp(1))`.
+
+    Args:
+      key: a single PRNG key (typed scalar or raw uint32 [2]) used for the whole array, or one key per
+        batch row (typed [B] or raw uint32 [B, 2], e.g. from `row_keys`), in which case row b is sampled
+        with keys[b] alone, so a request's samples do not depend on which batch it shares.
+      probs: f32 [B, V] or [B, T, V]; need not be normalised; must have a positive entry per row.
+
+    Returns:
+      tokens: int32 [B] or [B, T]. Zero-probability tokens are never returned; a one-hot row always
+      returns its hot index.
+    """
+    probs = probs.astype(jnp.float32)
+    if _is_batched_key(key):
+        if key.shape[0] != probs.shape[0]:
+            raise ValueError(f"per-row keys need {key.shape[0]=} == {probs.shape[0]=}")
+        return jax.vmap(_sample_one)(key, probs)
+    return _sample_one(key, probs)

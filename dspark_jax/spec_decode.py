@@ -1,0 +1,186 @@
+"""Speculative decoding: `spec_step`, one pure jitted round, and `generate_speculative`, the loop around it.
+
+A round (paper Fig. 1), per row with n committed tokens and anchor x_n (emitted, not yet in the target cache):
+  1. draft      — the drafter proposes x_{n+1..n+L} with draft probs q and confidences c (drafter.draft_block);
+  2. schedule   — a policy picks a verification length ℓ ∈ 0..L from survival a_k = c_1⋯c_k;
+  3. verify     — the target runs [anchor, x_1..x_L] (static width L+1; only ℓ+1 tokens are real) and
+                  rejection-samples: m accepted, then a recovered or bonus token (verification.verify);
+  4. commit     — target cache length n → n+m+1 (anchor + accepted); the drafter's context gets the
+                  target features of those positions (KV injection, computed once here);
+  5. emit       — accepted + 1 tokens; the last becomes the next anchor.
+Non-anticipation: every policy here decides ℓ before (fixed, threshold) or with the early-stop break
+(dspark-sync, Algorithm 1) so the admission of x_k never depends on x_k's own value (Appendix A).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.decoding import (GenerateResult, StopTracker, pad_prompts, prefill, round_up, row_keys,
+                                 sampling_arrays, step_keys)
+from dspark_jax.drafter import draft_block
+from dspark_jax.drafter_model import DrafterModel, TargetHead
+from dspark_jax.sampling import filter_probs, sample
+from dspark_jax.scheduling import fixed_lengths, prefix_schedule, survival, threshold_lengths
+from dspark_jax.verification import verify
+
+POLICY_KINDS = ("fixed", "threshold", "dspark-sync")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+    """Verification-length policy (hashable: passed to jit as static).
+
+    fixed:N — verify min(N, L) tokens (N=None: the whole block); threshold:X — the leading tokens with
+    survival a_k ≥ X; dspark-sync — Algorithm 1 with the early-stop break over `sps`, steps/s indexed by
+    tokens in the verification pass (a flat table admits every token with a_k > 0).
+    """
+
+    kind: str = "fixed"
+    n: int | None = None
+    threshold: float = 0.5
+    sps: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"unknown policy {self.kind!r}; choose one of {', '.join(POLICY_KINDS)}")
+
+    @classmethod
+    def parse(cls, text: str, sps: tuple[float, ...] = ()) -> Policy:
+        """'fixed', 'fixed:3', 'threshold:0.4' or 'dspark-sync'."""
+        kind, _, arg = text.partition(":")
+        if kind == "fixed":
+            return cls(kind=kind, n=int(arg) if arg else None)
+        if kind == "threshold":
+            return cls(kind=kind, threshold=float(arg or 0.5))
+        return cls(kind=kind, sps=tuple(sps))
+
+    def lengths(self, confidence: jax.Array, block_size: int) -> jax.Array:
+        """Confidence [B, L] → verification lengths int32 [B]."""
+        a = survival(confidence)
+        if self.kind == "fixed":
+            return fixed_lengths(a, min(self.n if self.n is not None else block_size, block_size))
+        if self.kind == "threshold":
+            return threshold_lengths(a, self.threshold)
+        B = confidence.shape[0]
+        sps = jnp.asarray(self.sps, jnp.float32) if self.sps else jnp.ones((B * (block_size + 1) + 1,))
+        return prefix_schedule(a, sps)
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "dcfg", "policy", "tied"),
+                   donate_argnames=("tcache", "dcache"))
+def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rnd, temperature, top_k, top_p, *,
+              dcfg, policy: Policy, tied: bool):
+    """One speculative round for a batch. Returns (tcache, dcache, next anchor [B], emitted [B, L+1]
+    (padded with −1), num_emitted [B], verification lengths [B], num_accepted [B], confidence [B, L])."""
+    L = dcfg.block_size
+    target = nnx.merge(tgraph, tparams)
+    drafter: DrafterModel = nnx.merge(dgraph, dparams)
+    head = TargetHead.from_params(tparams, tied)
+    round_keys = step_keys(keys, rnd)
+    draft_keys, verify_keys = step_keys(round_keys, 0), step_keys(round_keys, 1)
+
+    draft, q, conf = draft_block(dgraph, dparams, head, dcache, anchor, draft_keys, temperature, top_k, top_p)
+    lengths = policy.lengths(conf, L)
+    n = tcache.lengths
+    block = jnp.concatenate([anchor[:, None], draft], axis=1)  # [B, L+1]
+    logits, tcache, feats = target(block, tcache, lengths + 1, hidden_layers=dcfg.target_layers)
+    p = filter_probs(logits, temperature, top_k, top_p)
+    res = verify(verify_keys, p, draft, q, lengths)
+    m = res.num_accepted
+    tcache = tcache.with_lengths(n + m + 1)
+    rows = jnp.arange(anchor.shape[0])
+    if dcfg.kind == "eagle3":
+        fused = drafter.project_features(feats)  # [B, L+1, D]
+        ctx_feats = jnp.concatenate([dcache.last_feature[:, None].astype(fused.dtype), fused[:, :L]], 1)
+        positions = (n - 1)[:, None] + jnp.arange(L + 1, dtype=jnp.int32)
+        dcache = drafter.write_context(dcache, head, ctx_feats, positions, n + m, next_tokens=block,
+                                       last_feature=fused[rows, m])
+    else:
+        positions = n[:, None] + jnp.arange(L + 1, dtype=jnp.int32)
+        dcache = drafter.write_context(dcache, head, feats, positions, n + m + 1)
+    next_anchor = res.emitted_tokens[rows, m]
+    return tcache, dcache, next_anchor, res.emitted_tokens, res.num_emitted, lengths, m, conf
+
+
+@functools.partial(jax.jit, static_argnames=("dgraph", "tied"), donate_argnames=("dcache",))
+def drafter_prefill(dgraph, dparams, tparams, dcache, feats, tokens, lengths, *, tied: bool):
+    """Writes the prompt's target features into the drafter's context cache (the prompt is [B, T], ragged)."""
+    drafter: DrafterModel = nnx.merge(dgraph, dparams)
+    head = TargetHead.from_params(tparams, tied)
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if drafter.cfg.kind != "eagle3":
+        return drafter.write_context(dcache, head, feats, positions, lengths)
+    # EAGLE-3 entry t pairs f_t with x_{t+1}: entries 0..P−2 go to the cache, f_{P−1} waits for the anchor.
+    fused = drafter.project_features(feats)
+    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], 1)
+    return drafter.write_context(dcache, head, fused, positions, lengths - 1, next_tokens=next_tokens,
+                                 last_feature=fused[jnp.arange(B), lengths - 1])
+
+
+def generate_speculative(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p,
+                         seed, ignore_eos, on_tokens=None) -> GenerateResult:
+    """Speculative decoding of a batch of prompts. See `dspark_jax.generate`."""
+    drafter.check_target(target)
+    dcfg = drafter.config
+    L = dcfg.block_size
+    policy = policy if isinstance(policy, Policy) else Policy.parse(policy or "fixed")
+    if policy.kind != "fixed" and not dcfg.confidence:
+        raise ValueError(f"policy {policy.kind!r} needs a confidence head; a {dcfg.kind} drafter has none")
+    B = len(prompts)
+    temp, tk, tp = sampling_arrays(B, temperature, top_k, top_p)
+    tokens, lens = pad_prompts(prompts)
+    capacity = round_up(tokens.shape[1] + max_new_tokens + 2 * (L + 1), 64)
+    tcache, dcache = target.init_cache(B, capacity), drafter.init_cache(B, capacity)
+    keys = row_keys(seed, B)
+    tied = target.config.tie_word_embeddings
+    track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
+    attempts, accepts = np.zeros(L, np.int64), np.zeros(L, np.int64)
+    emitted_total = row_rounds = 0
+
+    t0 = time.perf_counter()
+    logits, tcache, feats = prefill(target.graphdef, target.params, jnp.asarray(tokens), tcache, jnp.asarray(lens),
+                                    hidden_layers=dcfg.target_layers)
+    dcache = drafter_prefill(drafter.graphdef, drafter.params, target.params, dcache, feats, jnp.asarray(tokens),
+                             jnp.asarray(lens), tied=tied)
+    # The first token comes from the prefill (as in target-only decoding) and is the first anchor.
+    anchor = sample(step_keys(keys, 0), filter_probs(logits, temp, tk, tp))
+    first = np.asarray(anchor)
+    for b in range(B):
+        taken = track.push(b, first[b : b + 1])
+        if taken and on_tokens is not None:
+            on_tokens(b, taken)
+    t1 = time.perf_counter()
+    rnd = 0
+    while not track.done.all():
+        rnd += 1
+        live = ~track.done
+        tcache, dcache, anchor, emitted, num_emitted, lengths, m, _ = spec_step(
+            target.graphdef, target.params, drafter.graphdef, drafter.params, tcache, dcache, anchor, keys, rnd,
+            temp, tk, tp, dcfg=dcfg, policy=policy, tied=tied)
+        emitted, num_emitted = np.asarray(emitted), np.asarray(num_emitted)
+        lengths, m = np.asarray(lengths), np.asarray(m)
+        for b in np.flatnonzero(live):
+            taken = track.push(b, emitted[b, : num_emitted[b]])
+            if taken and on_tokens is not None:
+                on_tokens(b, taken)
+        # Position-wise conditional acceptance (paper Fig. 2): position k was reached if ℓ ≥ k and k−1 accepted.
+        k = np.arange(1, L + 1)
+        reached = live[:, None] & (lengths[:, None] >= k) & (m[:, None] >= k - 1)
+        attempts += reached.sum(0)
+        accepts += (reached & (m[:, None] >= k)).sum(0)
+        emitted_total += int(num_emitted[live].sum())
+        row_rounds += int(live.sum())
+    t2 = time.perf_counter()
+    stats = {"rounds": rnd, "tau": emitted_total / max(row_rounds, 1), "row_rounds": row_rounds,
+             "acceptance_attempts": attempts.tolist(), "acceptance_accepts": accepts.tolist(),
+             "conditional_acceptance": (accepts / np.maximum(attempts, 1)).tolist()}
+    return GenerateResult(tokens=track.out, stats=stats, timings={"prefill_s": t1 - t0, "decode_s": t2 - t1})

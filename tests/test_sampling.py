@@ -1,0 +1,138 @@
+"""Tests for dspark_jax.sampling: filtering vs a plain-numpy reference, and the exponential-trick sampler."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.sampling import filter_probs, row_keys, sample
+
+# chi2.ppf(1 - 1e-3, df), computed with scipy.stats.chi2.ppf; a false alarm every 1,000 runs at most.
+CHI2_999 = {4: 18.4668, 5: 20.5150, 24: 51.1786}
+
+# Eager dispatch of the dozens of small ops costs seconds; jit once per shape instead.
+jit_filter = jax.jit(filter_probs)
+jit_sample = jax.jit(sample)
+
+
+def _reference_filter(logits, temperature, top_k, top_p):
+    """Plain float64 numpy, one row at a time, written straight from the vLLM / HF definitions."""
+    logits = np.asarray(logits, np.float64)
+    out = np.zeros_like(logits)
+    for idx in np.ndindex(logits.shape[:-1]):
+        b, row = idx[0], logits[idx]
+        if temperature[b] == 0:
+            out[idx][np.argmax(row)] = 1.0
+            continue
+        x = row / temperature[b]
+        if 0 < top_k[b] < x.size:
+            x = np.where(x >= np.sort(x)[::-1][top_k[b] - 1], x, -np.inf)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        if top_p[b] < 1.0:
+            order = np.argsort(-p, kind="stable")
+            before = np.cumsum(p[order]) - p[order]
+            kept = order[(before < top_p[b]) | (np.arange(p.size) == 0)]
+            mask = np.zeros(p.size, bool)
+            mask[kept] = True
+            p = np.where(mask, p, 0.0)
+            p /= p.sum()
+        out[idx] = p
+    return out
+
+
+def _params():
+    temperature = np.array([0.0, 0.5, 1.0, 1.7, 0.7, 1.0, 0.0, 2.0], np.float32)
+    top_k = np.array([0, 0, 5, 1, 3, 64, 4, 100], np.int32)
+    top_p = np.array([1.0, 0.9, 1.0, 0.5, 0.8, 0.01, 0.3, 0.95], np.float32)
+    return temperature, top_k, top_p
+
+
+@pytest.mark.parametrize("shape", [(8, 3, 64), (8, 64)])
+def test_filter_matches_numpy_reference(shape):
+    logits = jax.random.normal(jax.random.key(0), shape) * 3.0
+    temperature, top_k, top_p = _params()
+    # Parameters are traced: one compilation serves any mix of requests.
+    got = jit_filter(logits, temperature, top_k, top_p)
+    want = _reference_filter(logits, temperature, top_k, top_p)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got) > 0, want > 0)  # identical supports
+    np.testing.assert_allclose(np.asarray(got).sum(-1), 1.0, atol=1e-5)
+
+
+def test_filter_spot_values():
+    logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4))
+    probs = jit_filter(
+        logits,
+        temperature=jnp.array([1.0, 1.0, 1.0, 1.0]),
+        top_k=jnp.array([2, 0, 0, 3], jnp.int32),
+        top_p=jnp.array([1.0, 0.6, 0.45, 0.7], jnp.float32),
+    )
+    want = [
+        [5 / 7, 2 / 7, 0, 0, 0],  # top-2
+        [5 / 7, 2 / 7, 0, 0, 0],  # 0.5 < 0.6, so the crossing token 0.2 is kept
+        [1.0, 0, 0, 0, 0],  # 0.5 already reaches 0.45: nothing more
+        [5 / 7, 2 / 7, 0, 0, 0],  # top-3 renormalised to (0.588, 0.235, 0.176), then top-p 0.7
+    ]
+    np.testing.assert_allclose(np.asarray(probs), want, atol=1e-6)
+
+
+def test_greedy_rows_are_one_hot_first_index_on_ties():
+    logits = jnp.array([[0.0, 3.0, 3.0, 1.0], [2.0, -1.0, 2.0, 2.0]])
+    probs = jit_filter(logits, jnp.zeros(2), jnp.array([2, 0], jnp.int32), jnp.array([0.5, 1.0]))
+    np.testing.assert_array_equal(np.asarray(probs), [[0, 1, 0, 0], [1, 0, 0, 0]])
+
+
+def test_top_k_keeps_ties_at_kth_value():
+    probs = jit_filter(jnp.array([[1.0, 2.0, 2.0, 0.0]]), jnp.ones(1), jnp.array([1], jnp.int32), jnp.ones(1))
+    np.testing.assert_allclose(np.asarray(probs), [[0, 0.5, 0.5, 0]], atol=1e-7)
+
+
+def test_filter_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="temperature"):
+        filter_probs(jnp.zeros((2, 5)), jnp.ones(3), jnp.zeros(2, jnp.int32), jnp.ones(2))
+    with pytest.raises(ValueError, match="logits"):
+        filter_probs(jnp.zeros((5,)), jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+
+
+def test_sample_one_hot_returns_argmax():
+    hot = jnp.array([3, 0, 7, 7, 1])
+    probs = jax.nn.one_hot(hot, 8)
+    draw = jax.jit(jax.vmap(sample, in_axes=(0, None)))
+    tokens = draw(jax.random.split(jax.random.key(1), 2000), probs)
+    np.testing.assert_array_equal(np.asarray(tokens), np.broadcast_to(hot, tokens.shape))
+    assert tokens.dtype == jnp.int32
+
+
+def test_sample_frequencies_chi_square():
+    p = np.array([0.4, 0.25, 0.0, 0.2, 0.1, 0.05])
+    n = 200_000
+    tokens = jit_sample(jax.random.key(2), jnp.broadcast_to(jnp.asarray(p, jnp.float32), (n, p.size)))
+    counts = np.bincount(np.asarray(tokens), minlength=p.size)
+    assert counts[2] == 0  # zero-probability tokens are never drawn
+    support = p > 0
+    expected = n * p[support]
+    chi2 = np.sum((counts[support] - expected) ** 2 / expected)
+    assert chi2 < CHI2_999[int(support.sum()) - 1], (chi2, counts)
+
+
+def test_sample_per_row_keys_and_3d():
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(3), (4, 3, 10)), axis=-1)
+    keys = row_keys(jax.random.key(4), 4)
+    got = jit_sample(keys, probs)
+    assert got.shape == (4, 3) and got.dtype == jnp.int32
+    # Row b depends on keys[b] and probs[b] only, not on which rows share its batch.
+    other = jit_sample(keys[::-1], jnp.concatenate([probs[3:], probs[:3] ** 2], axis=0)[::-1])
+    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(other[0]))
+    raw = jax.random.split(jax.random.PRNGKey(5), 4)  # legacy uint32 [B, 2] keys
+    assert jit_sample(raw, probs[:, 0]).shape == (4,)
+    with pytest.raises(ValueError, match="per-row keys"):
+        sample(keys[:3], probs)
+
+
+def test_chi2_constants():
+    stats = pytest.importorskip("scipy.stats")
+    for df, value in CHI2_999.items():
+        assert abs(stats.chi2.ppf(0.999, df) - value) < 1e-3

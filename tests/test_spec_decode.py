@@ -1,0 +1,178 @@
+"""Speculative decoding end to end: greedy output equals target-only greedy, and sampled output follows the
+exact (filtered) target distribution, for every drafter kind and policy."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_hf_model, target_from_hf
+from flax import nnx
+
+import dspark_jax
+from dspark_jax.sampling import filter_probs
+from dspark_jax.spec_decode import Policy
+
+KINDS = ["dspark", "dflash", "eagle3"]
+
+
+def _prompts(vocab=128):
+    return [list(np.random.default_rng(i).integers(3, vocab, size=n)) for i, n in enumerate([5, 17, 2, 9])]
+
+
+def _drafter(target, kind, L, seed=0, scramble=0.0, **kw):
+    """An untrained drafter; `scramble` > 0 gives the Markov and confidence heads random non-zero weights."""
+    over = {"num_layers": 1 if kind == "eagle3" else 2, **kw}
+    if kind == "dspark":
+        over.setdefault("markov_rank", 16)
+    d = dspark_jax.init_drafter(target, kind=kind, block_size=L, seed=seed, **over)
+    if scramble:
+        key = jax.random.key(seed + 100)
+        flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(d.params))
+        for i, (k, v) in enumerate(sorted(flat.items())):
+            flat[k] = v + scramble * jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype)
+        nnx.replace_by_pure_dict(d.params, nnx.traversals.unflatten_mapping(flat))
+    return d
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_target(request, tmp_path_factory):
+    hf = make_hf_model(request.param, tied=request.param == "llama")
+    return target_from_hf(hf, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("L", [1, 4, 7, 16])
+def test_greedy_speculative_equals_target_only(tiny_target, kind, L):
+    prompts = _prompts()
+    ref = dspark_jax.generate(tiny_target, prompts, max_new_tokens=24, ignore_eos=True)
+    for scramble in (0.0, 0.5):
+        d = _drafter(tiny_target, kind, L, scramble=scramble)
+        out = dspark_jax.generate(tiny_target, prompts, d, max_new_tokens=24, ignore_eos=True)
+        assert out.tokens == ref.tokens, (kind, L, scramble)
+        assert out.stats["rounds"] <= 24
+
+
+@pytest.mark.parametrize("policy", ["fixed:2", "threshold:0.3", "dspark-sync"])
+def test_greedy_equality_under_every_policy(tiny_target, policy):
+    prompts = _prompts()
+    ref = dspark_jax.generate(tiny_target, prompts, max_new_tokens=20, ignore_eos=True)
+    d = _drafter(tiny_target, "dspark", 7, scramble=0.5)
+    sps = tuple(1.0 / (1 + 0.02 * b) for b in range(4 * 8 + 1))  # a sloping steps/s table
+    out = dspark_jax.generate(tiny_target, prompts, d, max_new_tokens=20, ignore_eos=True,
+                              policy=Policy.parse(policy, sps=sps))
+    assert out.tokens == ref.tokens
+
+
+def test_accept_path_is_exercised(tiny_target):
+    """The untrained DSpark drafter copies the anchor, which this random target often repeats: τ > 1."""
+    prompts = _prompts()
+    taus = [dspark_jax.generate(tiny_target, prompts, _drafter(tiny_target, "dspark", 4), max_new_tokens=24,
+                                ignore_eos=True).stats["tau"]]
+    assert max(taus) > 1.0
+
+
+def test_eos_and_max_tokens_stop_each_row(tiny_target):
+    prompts = _prompts()
+    ref = dspark_jax.generate(tiny_target, prompts, max_new_tokens=30)
+    out = dspark_jax.generate(tiny_target, prompts, _drafter(tiny_target, "dspark", 7), max_new_tokens=30)
+    assert out.tokens == ref.tokens
+    assert all(len(t) <= 30 for t in out.tokens)
+
+
+# ---- the sampled output follows the exact target distribution ------------------------------------------------
+V_SMALL = 8
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory):
+    hf = make_hf_model("llama", tied=False, vocab_size=V_SMALL, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    import torch
+
+    with torch.no_grad():  # a peakier, more structured target so the joint distribution is far from uniform
+        hf.lm_head.weight.mul_(8.0)
+    return target_from_hf(hf, tmp_path_factory.mktemp("v8"))
+
+
+def _exact_joint(target, prompt, temperature, top_k, top_p, n=3):
+    """P(x1..xn | prompt) of the filtered target, by enumerating every prefix."""
+    V = target.config.vocab_size
+    joint = np.zeros((V,) * n)
+    for prefix in itertools.product(range(V), repeat=n - 1):
+        ids = np.array([prompt + list(prefix)], np.int32)
+        logits = target.logits(ids)[:, len(prompt) - 1:]  # [1, n, V]
+        one = np.ones(1)
+        p = np.asarray(filter_probs(logits, one * temperature, (one * top_k).astype(np.int32), one * top_p))[0]
+        prob = np.prod([p[i, prefix[i]] for i in range(n - 1)]) * p[n - 1]
+        joint[prefix] = prob
+    return joint
+
+
+def _chi2_pvalue(counts, expected):
+    """Pearson chi-square with cells of expected count < 5 pooled; returns the p-value."""
+    from scipy.stats import chi2
+
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+    return chi2.sf(stat, keep.sum() - 1)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_sampled_output_follows_exact_target_distribution(small_vocab_target, kind, temperature, top_k, top_p):
+    pytest.importorskip("scipy")
+    target = small_vocab_target
+    prompt = [3, 5, 2, 7]
+    joint = _exact_joint(target, prompt, temperature, top_k, top_p).reshape(-1)
+    # A deliberately poor drafter: random heads, far from the target.
+    d = _drafter(target, kind, 3, seed=1, scramble=1.0 if kind == "dspark" else 0.3)
+    N, per_call = 12000, 4000
+    counts = np.zeros_like(joint)
+    for call in range(N // per_call):
+        res = dspark_jax.generate(target, [prompt] * per_call, d, max_new_tokens=3, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=1000 + call, ignore_eos=True)
+        idx = np.ravel_multi_index(np.array([t[:3] for t in res.tokens]).T, (V_SMALL,) * 3)
+        counts += np.bincount(idx, minlength=joint.size)
+    # A false alarm has probability 1e-3 per test; the poor drafter is rejected often, so recovery is exercised.
+    assert _chi2_pvalue(counts, joint * N) > 1e-3
+    assert counts[joint == 0].sum() == 0
+
+
+def test_distribution_test_detects_a_biased_sampler(small_vocab_target):
+    """The chi-square machinery has power: the *draft* distribution itself (no verification) fails it."""
+    pytest.importorskip("scipy")
+    target = small_vocab_target
+    prompt = [3, 5, 2, 7]
+    joint = _exact_joint(target, prompt, 1.0, 0, 1.0).reshape(-1)
+    other = np.roll(joint, 1) * 0.2 + joint * 0.8  # a 20% mixture with a shifted distribution
+    rng = np.random.default_rng(0)
+    counts = np.bincount(rng.choice(joint.size, size=12000, p=other / other.sum()), minlength=joint.size)
+    assert _chi2_pvalue(counts.astype(float), joint * 12000) < 1e-3
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------------
+def test_checkpoint_round_trip_and_wrong_target(tiny_target, tmp_path, small_vocab_target):
+    d = _drafter(tiny_target, "dspark", 4, scramble=0.3)
+    d.save(str(tmp_path / "ck"))
+    back = dspark_jax.load_drafter(str(tmp_path / "ck"), tiny_target)
+    assert back.config == d.config
+    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="different target"):
+        dspark_jax.load_drafter(str(tmp_path / "ck"), small_vocab_target)
+    with pytest.raises(ValueError, match="not a drafter checkpoint"):
+        dspark_jax.load_drafter(str(tmp_path / "nothing"), tiny_target)
+    # Corrupt the parameter files: a clear error, not a crash deep in Orbax.
+    for root, _, files in os.walk(tmp_path / "ck" / "params"):
+        for f in files:
+            if not f.endswith(".json"):
+                with open(os.path.join(root, f), "wb") as fh:
+                    fh.write(b"garbage")
+    with pytest.raises(ValueError, match="corrupt"):
+        dspark_jax.load_drafter(str(tmp_path / "ck"), tiny_target)
