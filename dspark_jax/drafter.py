@@ -103,8 +103,23 @@ class Drafter:
     """A drafter network with its config; the target's embedding and LM head are borrowed at call time."""
 
     def __init__(self, config: DrafterConfig, model: DrafterModel):
+        if model.cfg != config:
+            raise ValueError("the model was built from a different DrafterConfig; use Drafter.with_config")
         self.config = config
         self.graphdef, self.params = nnx.split(model)
+
+    def with_config(self, **changes) -> Drafter:
+        """The same parameters under a changed config (e.g. calibration temperatures); shapes must not change."""
+        import dataclasses
+
+        cfg = dataclasses.replace(self.config, **changes)
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DrafterModel(cfg, rngs=nnx.Rngs(0))))
+        shapes = lambda st: [x.shape for x in jax.tree.leaves(st)]  # noqa: E731
+        if shapes(abstract) != shapes(self.params):
+            raise ValueError(f"config change {sorted(changes)} would change parameter shapes")
+        out = Drafter.__new__(Drafter)
+        out.config, out.graphdef, out.params = cfg, graphdef, self.params
+        return out
 
     def module(self) -> DrafterModel:
         return nnx.merge(self.graphdef, self.params)
