@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+import types
 
 from dspark_jax import hub
 
@@ -75,6 +76,19 @@ def main(argv=None) -> int:
         print()
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`dspark_jax.generate` names both the public function and this CLI module (`python -m dspark_jax.generate`
+    is the documented entry point). Importing this module rebinds the package attribute to the module, so the
+    module forwards calls to the function: `dspark_jax.generate(...)` works either way."""
+
+    def __call__(self, *args, **kwargs):
+        from dspark_jax.decoding import generate
+
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -97,12 +97,19 @@ def map_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str
     return out
 
 
+def read_hf_config(directory: str) -> dict:
+    """config.json of a Hugging Face model directory (malformed JSON is a ValueError)."""
+    with open(os.path.join(directory, "config.json")) as f:
+        return json.load(f)
+
+
 def read_hf_dir(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
     """Reads config.json and single or sharded safetensors from a Hugging Face model directory."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with open(os.path.join(directory, "config.json")) as f:
-        config = json.load(f)
+    config = read_hf_config(directory)
+    # Parse the config before touching the weights: an unsupported architecture is the error to report.
+    ModelConfig.from_hf(config)
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -114,9 +121,12 @@ def read_hf_dir(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
     tensors = {}
     for fname in files:
         # framework="flax" reads bfloat16 too (plain numpy has no bf16 dtype); widen to f32 here.
-        with safe_open(os.path.join(directory, fname), framework="flax") as f:
-            for name in f.keys():
-                tensors[name] = np.asarray(f.get_tensor(name).astype(jnp.float32))
+        try:
+            with safe_open(os.path.join(directory, fname), framework="flax") as f:
+                for name in f.keys():
+                    tensors[name] = np.asarray(f.get_tensor(name).astype(jnp.float32))
+        except SafetensorError as e:
+            raise ValueError(f"corrupt safetensors file {fname}: {e}") from None
     return config, tensors
 
 

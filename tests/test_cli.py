@@ -109,15 +109,11 @@ def test_unsupported_architecture_hf_dir(tmp_path):
     assert line.startswith("error: cannot load ")
 
 
-@pytest.mark.xfail(strict=True, reason="load_target reads weights before checking the architecture: "
-                                       "it reports the missing safetensors, not 'gpt2'")  # fmt: skip
 def test_unsupported_architecture_reported_before_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert_one_line_error(run_cli("--prompt", "hi", "--target", str(tmp_path)), "'gpt2'")
 
 
-@pytest.mark.xfail(strict=True, reason="weights.read_hf_dir lets safetensors' SafetensorError (not a "
-                                       "ValueError/OSError) escape: traceback, exit 1")  # fmt: skip
 def test_corrupt_safetensors(tmp_path):
     import transformers
 

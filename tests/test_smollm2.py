@@ -70,14 +70,14 @@ def test_logits_match_transformers_gguf_load(smollm2):
 
 @pytest.mark.slow
 def test_batched_greedy_equals_each_prompt_alone(smollm2):
-    # 32, 43 and 57 tokens (with the template's system prompt): alone they pad to widths 32, 48 and 64
-    # (decoding.pad_prompts rounds to 16), together to 64, so padding and ragged cache lengths both vary.
-    prompts = [
-        smollm2.chat_ids("Hi!"),
-        smollm2.chat_ids("Name three primary colours and one thing that is usually each colour."),
-        smollm2.chat_ids("Write a haiku about a lighthouse keeper who has not seen a ship for many years, "
-                         "using the words fog, lamp and waiting."),
-    ]  # fmt: skip
+    # Plain text, not chat prompts (the template's system prompt alone is 27 tokens), so that the three
+    # lengths pad to three prompt widths alone (decoding.pad_prompts rounds to 16) and to the longest one
+    # together, while every run fits one 64-position cache: fewer shapes to compile.
+    texts = ["The capital of France is",
+             "Here is a list of the planets of the solar system, in order from the Sun:",
+             "def fibonacci(n):\n    \"\"\"Returns the n-th Fibonacci number, computed iteratively "
+             "in O(n) time.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n"]  # fmt: skip
+    prompts = [smollm2.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     assert len({-(-len(p) // 16) for p in prompts}) == 3, [len(p) for p in prompts]
 
     kw = dict(max_new_tokens=16, ignore_eos=True)  # compare all 16 tokens, EOS or not

@@ -1,7 +1,8 @@
 """Tests for dspark_jax.verification: greedy hand tables (vLLM style) and output-distribution tests.
 
-The distribution tests run 200k independent trials in one jitted call and compare emitted-token
-frequencies with the target by a chi-square test at false-alarm probability 0.1%. A deliberately wrong
+The distribution tests run 200k independent trials (draft tokens and lengths drawn on the host with
+numpy, one jitted `verify` call per round) and compare emitted-token frequencies with the target by a
+chi-square test at false-alarm probability 0.1%. A deliberately wrong
 verifier (recovered token resampled from the full p instead of the residual) must fail the same test,
 which proves the test has power.
 """
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from dspark_jax import verification
-from dspark_jax.sampling import filter_probs, sample
+from dspark_jax.sampling import filter_probs
 from dspark_jax.verification import greedy_verify, verify
 
 # chi2.ppf(1 - 1e-3, df) from scipy.stats.chi2.ppf (scipy is not a dependency; checked in test_sampling).
@@ -39,25 +40,38 @@ GREEDY_TABLE = [
 
 
 def _greedy_inputs():
-    draft = jnp.array([row[0] for row in GREEDY_TABLE], jnp.int32)
-    target = jnp.array([row[1] for row in GREEDY_TABLE], jnp.int32)
-    lengths = jnp.array([row[2] for row in GREEDY_TABLE], jnp.int32)
+    draft = np.array([row[0] for row in GREEDY_TABLE], np.int32)
+    target = np.array([row[1] for row in GREEDY_TABLE], np.int32)
+    lengths = np.array([row[2] for row in GREEDY_TABLE], np.int32)
     want = np.full(target.shape, -1)
     for i, row in enumerate(GREEDY_TABLE):
         want[i, : len(row[3])] = row[3]
     return draft, target, lengths, want
 
 
+def _raw_keys(seed, n):
+    """n independent raw uint32 [n, 2] keys straight from numpy (no threefry to compile in the test)."""
+    return np.random.default_rng(seed).integers(0, 2**32, size=(n, 2), dtype=np.uint32)
+
+
+# Jitted once per shape; the threefry code inside verify is what takes seconds to compile on CPU.
+VERIFY = jax.jit(verify)
+
+
+GREEDY_BATCH = 1024  # the greedy tests share one compiled shape [1024, L, V]
+
+
 def test_greedy_table_one_hot_verify():
     draft, target, lengths, want = _greedy_inputs()
-    b = draft.shape[0]
-    run = jax.jit(lambda k: verify(jax.random.split(k, b), jax.nn.one_hot(target, V),
-                                   draft, jax.nn.one_hot(draft, V), lengths))
-    for seed in range(3):  # greedy is deterministic whatever the keys
-        res = run(jax.random.key(seed))
-        np.testing.assert_array_equal(np.asarray(res.emitted_tokens), want)
-        np.testing.assert_array_equal(np.asarray(res.num_emitted), (want >= 0).sum(-1))
-        np.testing.assert_array_equal(np.asarray(res.num_accepted), (want >= 0).sum(-1) - 1)
+    # The table repeated 128 times, each copy with its own key: greedy is deterministic whatever the key.
+    reps = GREEDY_BATCH // len(GREEDY_TABLE)
+    draft, target, lengths, want = (np.tile(np.asarray(x), (reps,) + (1,) * (np.ndim(x) - 1))
+                                    for x in (draft, target, lengths, want))
+    eye = np.eye(V, dtype=np.float32)
+    res = VERIFY(_raw_keys(0, GREEDY_BATCH), eye[target], draft, eye[draft], lengths)
+    np.testing.assert_array_equal(np.asarray(res.emitted_tokens), want)
+    np.testing.assert_array_equal(np.asarray(res.num_emitted), (want >= 0).sum(-1))
+    np.testing.assert_array_equal(np.asarray(res.num_accepted), (want >= 0).sum(-1) - 1)
 
 
 def test_greedy_verify_matches_table():
@@ -68,101 +82,108 @@ def test_greedy_verify_matches_table():
 
 
 def test_greedy_verify_equals_verify_on_one_hot_rows():
-    k_target, k_draft, k_len, k_verify = jax.random.split(jax.random.key(7), 4)
-    b, n_draft, v = 1024, 4, 2  # a small vocabulary so long matches are common
-    target = jax.random.randint(k_target, (b, n_draft + 1), 0, v)
-    draft = jax.random.randint(k_draft, (b, n_draft), 0, v)
-    lengths = jax.random.randint(k_len, (b,), 0, n_draft + 1)
-    got = jax.jit(verify)(jax.random.split(k_verify, b), jax.nn.one_hot(target, v), draft,
-                          jax.nn.one_hot(draft, v), lengths)
-    want = greedy_verify(target, draft, lengths)
+    rng = np.random.default_rng(7)
+    b, n_draft = GREEDY_BATCH, 3
+    # Tokens from {0, 1} only, so long matches are common.
+    target = rng.integers(0, 2, size=(b, n_draft + 1), dtype=np.int32)
+    draft = rng.integers(0, 2, size=(b, n_draft), dtype=np.int32)
+    lengths = rng.integers(0, n_draft + 1, size=b, dtype=np.int32)
+    eye = np.eye(V, dtype=np.float32)
+    got = VERIFY(_raw_keys(8, b), eye[target], draft, eye[draft], lengths)
+    want = jax.jit(greedy_verify)(target, draft, lengths)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert len(set(np.asarray(want.num_accepted).tolist())) == n_draft + 1  # every outcome occurs
 
 
 def test_masked_positions_are_ignored_and_edge_cases_are_safe():
-    nan = jnp.nan
+    nan = np.nan
     # Row 0: ℓ = 1; everything past the bonus row is NaN garbage and draft position 2 is -1 padding.
     # Row 1: q(x) = 0 for the drafted token (inconsistent input) and p(x) > 0: accepted, no NaN.
     # Row 2: p == q with the draft on a zero-probability token: rejected, the residual is empty and the
     #        recovered token falls back to p.
-    target = jnp.array([
+    target = np.array([
         [[0.5, 0.5, 0, 0], [0.25, 0.75, 0, 0], [nan] * 4],
         [[0.0, 1.0, 0, 0], [0.0, 0.0, 1, 0], [0, 0, 0, 1]],
         [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0]],
-    ])
-    draft_probs = jnp.array([
+    ], np.float32)
+    draft_probs = np.array([
         [[0.5, 0.5, 0, 0], [nan] * 4],
         [[1.0, 0.0, 0, 0], [0.0, 0.0, 1, 0]],
         [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0]],
-    ])
-    draft = jnp.array([[1, -1], [1, 2], [2, 0]], jnp.int32)
-    lengths = jnp.array([1, 2, 2], jnp.int32)
-    run = jax.jit(lambda k: verify(jax.random.split(k, 3), target, draft, draft_probs, lengths))
-    for seed in range(20):
-        res = run(jax.random.key(seed))
-        e = np.asarray(res.emitted_tokens)
-        assert e[0, 0] == 1 and e[0, 1] in (0, 1) and e[0, 2] == -1  # accepted (p >= q), then a bonus
-        np.testing.assert_array_equal(e[1], [1, 2, 3])
-        assert e[2, 0] in (0, 1) and list(e[2, 1:]) == [-1, -1]
+    ], np.float32)
+    draft = np.array([[1, -1], [1, 2], [2, 0]], np.int32)
+    lengths = np.array([1, 2, 2], np.int32)
+
+    def tile(x):  # 20 independent trials of the 3 rows as one batch of 60
+        return np.tile(x, (20,) + (1,) * (x.ndim - 1))
+
+    keys = jax.random.wrap_key_data(_raw_keys(0, 60))  # typed keys [B] are accepted as well as raw ones
+    res = VERIFY(keys, tile(target), tile(draft), tile(draft_probs), tile(lengths))
+    e = np.asarray(res.emitted_tokens).reshape(20, 3, 3)
+    assert np.all(e[:, 0, 0] == 1) and np.all(np.isin(e[:, 0, 1], [0, 1])) and np.all(e[:, 0, 2] == -1)
+    np.testing.assert_array_equal(e[:, 1], np.tile([1, 2, 3], (20, 1)))  # accepted, accepted, bonus
+    assert np.all(np.isin(e[:, 2, 0], [0, 1])) and np.all(e[:, 2, 1:] == -1)
+    assert set(e[:, 2, 0].tolist()) == {0, 1}  # the fallback really samples p
 
 
 def test_verify_rejects_bad_shapes():
     with pytest.raises(ValueError, match="target_probs"):
-        verify(jax.random.split(jax.random.key(0), 2), jnp.zeros((2, 3, 5)), jnp.zeros((2, 3), jnp.int32),
+        verify(_raw_keys(0, 2), jnp.zeros((2, 3, 5)), jnp.zeros((2, 3), jnp.int32),
                jnp.zeros((2, 3, 5)), jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="keys"):
-        verify(jax.random.split(jax.random.key(0), 3), jnp.zeros((2, 4, 5)), jnp.zeros((2, 3), jnp.int32),
+        verify(_raw_keys(0, 3), jnp.zeros((2, 4, 5)), jnp.zeros((2, 3), jnp.int32),
                jnp.zeros((2, 3, 5)), jnp.zeros(2, jnp.int32))
 
 
-def _two_rounds(key, p_rows, q_rows):
-    """First two tokens of the output stream over N_TRIALS independent trials.
+def _verify_rows(keys, p_rows, draft, q_rows, lengths):
+    """`verify` with the per-position target [L+1, V] and draft [L, V] rows shared by every trial."""
+    n, (n_draft, v) = draft.shape[0], q_rows.shape
+    return verify(keys, jnp.broadcast_to(p_rows, (n, n_draft + 1, v)), draft,
+                  jnp.broadcast_to(q_rows, (n, n_draft, v)), lengths)
 
-    Each trial drafts L tokens from q, picks ℓ uniformly in 0..L independently of the draft (a
-    non-anticipating schedule) and verifies; if the round emitted a single token, the stream's second
-    token is the first emitted token of a second, independent round.
+
+# Compiled once for every distribution test (they share shapes).
+_VERIFY_ROWS = jax.jit(_verify_rows)
+
+
+def _two_rounds(seed, p_rows, q_rows, verify_rows=_VERIFY_ROWS):
+    """First two tokens of the output stream over N_TRIALS independent trials, and invariant checks.
+
+    Each trial drafts L tokens from q (host-side numpy), picks ℓ uniformly in 0..L independently of the
+    draft (a non-anticipating schedule) and verifies; if the round emitted a single token, the stream's
+    second token is the first emitted token of a second, independent round.
 
     Args:
-      key: PRNG key.
-      p_rows: f32 [L+1, V] target distributions by block position.
-      q_rows: f32 [L, V] draft distributions by block position.
+      seed: int.
+      p_rows: [L+1, V] target distributions by block position.
+      q_rows: [L, V] draft distributions by block position.
+      verify_rows: the jitted `_verify_rows` to use.
 
     Returns:
-      y1, y2: int32 [N_TRIALS]; plus the structural invariants checked inside.
+      y1, y2: int [N_TRIALS].
     """
+    rng = np.random.default_rng(seed)
     n, (n_draft, v) = N_TRIALS, q_rows.shape
-
-    def round_(key):
-        k_draft, k_len, k_verify = jax.random.split(key, 3)
-        q = jnp.broadcast_to(q_rows, (n, n_draft, v))
-        draft = sample(jax.random.split(k_draft, n), q)
-        lengths = jax.random.randint(k_len, (n,), 0, n_draft + 1)
-        res = verify(jax.random.split(k_verify, n), jnp.broadcast_to(p_rows, (n, n_draft + 1, v)),
-                     draft, q, lengths)
-        pos = jnp.arange(n_draft)
-        ok = (res.num_accepted <= lengths) & (res.num_emitted == res.num_accepted + 1)
-        accepted = pos < res.num_accepted[:, None]
-        ok &= jnp.all(jnp.where(accepted, res.emitted_tokens[:, :-1] == draft, True), -1)
-        ok &= jnp.all((res.emitted_tokens >= 0) == (jnp.arange(n_draft + 1) < res.num_emitted[:, None]), -1)
-        return res, jnp.all(ok)
-
-    # Both rounds as one vmapped graph: half the (slow to compile) threefry code of two calls.
-    res, ok = jax.vmap(round_)(jax.random.split(key))
-    first, num_emitted = res.emitted_tokens[:, :, 0], res.num_emitted[0]
-    y2 = jnp.where(num_emitted >= 2, res.emitted_tokens[0, :, 1], first[1])
-    return first[0], y2, jnp.all(ok)
-
-
-# Compiled once for every test that shares the shapes (the threefry-heavy graph takes seconds to compile).
-_TWO_ROUNDS = jax.jit(_two_rounds)
-
-
-def _run(key, p_rows, q_rows, two_rounds=_TWO_ROUNDS):
-    y1, y2, ok = two_rounds(key, jnp.asarray(p_rows, jnp.float32), jnp.asarray(q_rows, jnp.float32))
-    assert bool(ok)
-    return np.asarray(y1), np.asarray(y2)
+    p_rows, q_rows = np.asarray(p_rows, np.float32), np.asarray(q_rows, np.float32)
+    rounds = []
+    for _ in range(2):
+        # Inverse-CDF draws x_k ~ q_k; min() guards a float cumsum ending a hair below 1.
+        cdf = np.cumsum(q_rows, axis=-1)
+        draft = np.minimum((rng.random((n, n_draft, 1)) >= cdf).sum(-1), v - 1).astype(np.int32)
+        assert np.all(q_rows[np.arange(n_draft), draft] > 0)
+        lengths = rng.integers(0, n_draft + 1, size=n, dtype=np.int32)
+        keys = rng.integers(0, 2**32, size=(n, 2), dtype=np.uint32)
+        emitted, num_emitted, num_accepted = (np.asarray(x) for x in verify_rows(keys, p_rows, draft, q_rows,
+                                                                                lengths))
+        assert np.all(num_accepted <= lengths) and np.all(num_emitted == num_accepted + 1)
+        pos = np.arange(n_draft + 1)
+        assert np.all((emitted >= 0) == (pos < num_emitted[:, None]))  # -1 padding past num_emitted
+        accepted = pos[:n_draft] < num_accepted[:, None]
+        assert np.all(np.where(accepted, emitted[:, :n_draft] == draft, True))  # accepted = draft tokens
+        rounds.append((emitted, num_emitted))
+    (e1, n1), (e2, _) = rounds
+    return e1[:, 0], np.where(n1 >= 2, e1[:, 1], e2[:, 0])
 
 
 def _chi2(samples, probs):
@@ -190,15 +211,15 @@ Q_ROWS = np.pad(np.array([
 ]), ((0, 0), (0, 3)))
 
 
-def _first_token_stat(seed, two_rounds=_TWO_ROUNDS):
-    y1, _ = _run(jax.random.key(seed), P_ROWS, Q_ROWS, two_rounds)
+def _first_token_stat(seed, verify_rows=_VERIFY_ROWS):
+    y1, _ = _two_rounds(seed, P_ROWS, Q_ROWS, verify_rows)
     return _chi2(y1, P_ROWS[0])
 
 
-def _joint_stat(seed, two_rounds=_TWO_ROUNDS):
+def _joint_stat(seed, verify_rows=_VERIFY_ROWS):
     # Position-independent target, so the output stream must be i.i.d. p: (y1, y2) ~ p ⊗ p.
     p = P_ROWS[0]
-    y1, y2 = _run(jax.random.key(seed), np.tile(p, (4, 1)), Q_ROWS, two_rounds)
+    y1, y2 = _two_rounds(seed, np.tile(p, (4, 1)), Q_ROWS, verify_rows)
     return _chi2(y1 * p.size + y2, np.outer(p, p))
 
 
@@ -216,7 +237,7 @@ def test_resampling_rejections_from_full_p_is_detected(monkeypatch):
     # The classic bug: on rejection draw from p instead of norm(max(0, p - q)). It over-weights the
     # tokens q over-proposes (here token 4), and the same tests must fail.
     monkeypatch.setattr(verification, "_residual", lambda p, q: p)
-    wrong = jax.jit(functools.partial(_two_rounds))  # a fresh jit, so the patched helper is traced in
+    wrong = jax.jit(functools.partial(_verify_rows))  # a fresh jit, so the patched helper is traced in
     stat, df = _first_token_stat(10, wrong)
     assert stat > CHI2_999[df], stat
     stat, df = _joint_stat(11, wrong)
@@ -234,11 +255,11 @@ def test_filtered_sampling_distribution():
         [0.0, 0.3, 2.2, 0.1, 0.2, 1.0, 1.1, 0.5],
         [0.0] * 8,  # padding row so the batch of parameters is [4]
     ])
-    p_rows = np.asarray(filter_probs(target_logits, *params), np.float64)
-    q_rows = np.asarray(filter_probs(draft_logits, *params))[:3]
+    p_rows = np.asarray(jax.jit(filter_probs)(target_logits, *params), np.float64)
+    q_rows = np.asarray(jax.jit(filter_probs)(draft_logits, *params))[:3]
     assert (p_rows[0] > 0).sum() == 4
 
-    y1, y2 = _run(jax.random.key(12), p_rows, q_rows)
+    y1, y2 = _two_rounds(12, p_rows, q_rows)
     stat, df = _chi2(y1, p_rows[0])
     assert stat < CHI2_999[df], stat
     stat, df = _chi2(y1 * 8 + y2, np.outer(p_rows[0], p_rows[0]))
