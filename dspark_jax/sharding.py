@@ -40,7 +40,7 @@ def make_mesh(data: int = 1, model: int = 1) -> jax.sharding.Mesh:
 
 
 def _spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh) -> PartitionSpec:
-    fitted = [a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)]
+    fitted = [a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape, strict=True)]
     return PartitionSpec(*fitted)
 
 

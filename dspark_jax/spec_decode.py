@@ -23,8 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding import (GenerateResult, StopTracker, pad_prompts, prefill, round_up, row_keys,
-                                 sampling_arrays, step_keys)
+from dspark_jax.decoding import (
+    GenerateResult,
+    StopTracker,
+    pad_prompts,
+    prefill,
+    round_up,
+    row_keys,
+    sampling_arrays,
+    step_keys,
+)
 from dspark_jax.drafter import draft_block
 from dspark_jax.drafter_model import DrafterModel, TargetHead
 from dspark_jax.sampling import filter_probs, sample

@@ -152,19 +152,37 @@ def torch_run(model, prompts: np.ndarray, steps: int):
 # --- driver ----------------------------------------------------------------------------------------------
 
 
-def measure(run, repeats: int, batch: int, steps: int) -> dict:
-    """One warm-up call (timed: for ours it compiles), then `repeats` timed calls."""
-    warm_prefill, warm_decode, _ = run()
-    runs = [run() for _ in range(repeats)]
-    decode = [r[1] for r in runs]
-    prefill = [r[0] for r in runs]
-    return {
-        "warmup_prefill_s": warm_prefill, "warmup_decode_s": warm_decode,
-        "prefill_s": prefill, "decode_s": decode,
-        "tokens_per_s_best": batch * steps / min(decode),
-        "tokens_per_s_median": batch * steps / statistics.median(decode),
-        "tokens": runs[-1][2],
-    }  # fmt: skip
+def measure(impls, repeats: int, batch: int, steps: int) -> list[dict]:
+    """Warms up each (name, threads, run) once (timed: for ours it compiles), then times `repeats` rounds.
+
+    Rounds interleave the implementations, so a burst of load from another process spreads over all of
+    them instead of landing on one.
+    """
+
+    def call(threads, run):
+        if threads is not None:  # a torch run
+            import torch
+
+            torch.set_num_threads(threads)
+        return run()
+
+    warm = [call(threads, run) for _, threads, run in impls]
+    runs = [[] for _ in impls]
+    for _ in range(repeats):
+        for i, (_, threads, run) in enumerate(impls):
+            runs[i].append(call(threads, run))
+    rows = []
+    for (name, threads, _), w, rs in zip(impls, warm, runs, strict=True):
+        decode = [r[1] for r in rs]
+        rows.append({
+            "batch": batch, "impl": name, "threads": threads,
+            "warmup_prefill_s": w[0], "warmup_decode_s": w[1],
+            "prefill_s": [r[0] for r in rs], "decode_s": decode,
+            "tokens_per_s_best": batch * steps / min(decode),
+            "tokens_per_s_median": batch * steps / statistics.median(decode),
+            "tokens": rs[-1][2],
+        })  # fmt: skip
+    return rows
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -203,16 +221,13 @@ def main(argv=None) -> int:
                  ("ours fwd+argmax", None, functools.partial(ours_run, target, prompts, N, sampler=False))]
         for threads in [] if model is None else args.torch_threads:
             impls.append(("torch", threads, functools.partial(torch_run, model, prompts, N)))
-        for name, threads, run in impls:
-            if threads is not None:
-                torch.set_num_threads(threads)
-            print(f"  B={B} {name}{'' if threads is None else f' ({threads} threads)'} ...", file=sys.stderr)
-            rows.append({"batch": B, "impl": name, "threads": threads, **measure(run, args.repeats, B, N)})
-        ours = next(r for r in rows if r["batch"] == B and r["impl"] == "ours")
-        for r in rows:
-            if r["batch"] == B:
-                r["ours_over_this"] = ours["tokens_per_s_best"] / r["tokens_per_s_best"]
-                r["greedy_prefix_agreement"] = common_prefix(ours["tokens"], r["tokens"])
+        print(f"  B={B}: {', '.join(name for name, _, _ in impls)} ...", file=sys.stderr)
+        batch_rows = measure(impls, args.repeats, B, N)
+        ours = batch_rows[0]
+        for r in batch_rows:
+            r["ours_over_this"] = ours["tokens_per_s_best"] / r["tokens_per_s_best"]
+            r["greedy_prefix_agreement"] = common_prefix(ours["tokens"], r["tokens"])
+        rows += batch_rows
     load_after = os.getloadavg()[0]
 
     print(f"\ntarget-only greedy decode, {args.target}, f32, prompt {args.prompt_len} tokens, {N} new tokens "

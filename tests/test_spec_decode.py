@@ -44,35 +44,40 @@ def tiny_target(request, tmp_path_factory):
     return target_from_hf(hf, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_target):
+    return dspark_jax.generate(tiny_target, _prompts(), max_new_tokens=24, ignore_eos=True).tokens
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("L", [1, 4, 7, 16])
-def test_greedy_speculative_equals_target_only(tiny_target, kind, L):
-    prompts = _prompts()
-    ref = dspark_jax.generate(tiny_target, prompts, max_new_tokens=24, ignore_eos=True)
-    for scramble in (0.0, 0.5):
-        d = _drafter(tiny_target, kind, L, scramble=scramble)
-        out = dspark_jax.generate(tiny_target, prompts, d, max_new_tokens=24, ignore_eos=True)
-        assert out.tokens == ref.tokens, (kind, L, scramble)
-        assert out.stats["rounds"] <= 24
+def test_greedy_speculative_equals_target_only(tiny_target, greedy_reference, kind, L):
+    # Fresh init (heads at their zero init) on one block size, randomised heads everywhere (compile time
+    # dominates on CPU, so each (kind, L) compiles one spec_step).
+    scramble = 0.0 if (L == 7 and tiny_target.config.model_type == "llama") else 0.5
+    if tiny_target.config.model_type == "qwen3" and L in (1, 16):
+        pytest.skip("block sizes 1 and 16 are covered on the llama target; qwen3 runs 4 and 7")
+    d = _drafter(tiny_target, kind, L, scramble=scramble)
+    out = dspark_jax.generate(tiny_target, _prompts(), d, max_new_tokens=24, ignore_eos=True)
+    assert out.tokens == greedy_reference, (kind, L, scramble)
+    assert out.stats["rounds"] <= 24
 
 
 @pytest.mark.parametrize("policy", ["fixed:2", "threshold:0.3", "dspark-sync"])
-def test_greedy_equality_under_every_policy(tiny_target, policy):
-    prompts = _prompts()
-    ref = dspark_jax.generate(tiny_target, prompts, max_new_tokens=20, ignore_eos=True)
+def test_greedy_equality_under_every_policy(tiny_target, greedy_reference, policy):
     d = _drafter(tiny_target, "dspark", 7, scramble=0.5)
     sps = tuple(1.0 / (1 + 0.02 * b) for b in range(4 * 8 + 1))  # a sloping steps/s table
-    out = dspark_jax.generate(tiny_target, prompts, d, max_new_tokens=20, ignore_eos=True,
+    out = dspark_jax.generate(tiny_target, _prompts(), d, max_new_tokens=24, ignore_eos=True,
                               policy=Policy.parse(policy, sps=sps))
-    assert out.tokens == ref.tokens
+    assert out.tokens == greedy_reference
 
 
-def test_accept_path_is_exercised(tiny_target):
+def test_accept_path_is_exercised(tiny_target, greedy_reference):
     """The untrained DSpark drafter copies the anchor, which this random target often repeats: τ > 1."""
-    prompts = _prompts()
-    taus = [dspark_jax.generate(tiny_target, prompts, _drafter(tiny_target, "dspark", 4), max_new_tokens=24,
-                                ignore_eos=True).stats["tau"]]
-    assert max(taus) > 1.0
+    out = dspark_jax.generate(tiny_target, _prompts(), _drafter(tiny_target, "dspark", 7), max_new_tokens=24,
+                              ignore_eos=True)
+    assert out.tokens == greedy_reference
+    assert out.stats["tau"] > 1.0
 
 
 def test_eos_and_max_tokens_stop_each_row(tiny_target):
@@ -162,7 +167,7 @@ def test_checkpoint_round_trip_and_wrong_target(tiny_target, tmp_path, small_voc
     d.save(str(tmp_path / "ck"))
     back = dspark_jax.load_drafter(str(tmp_path / "ck"), tiny_target)
     assert back.config == d.config
-    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(back.params)):
+    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(back.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="different target"):
         dspark_jax.load_drafter(str(tmp_path / "ck"), small_vocab_target)

@@ -1,0 +1,137 @@
+"""Distilling a drafter from its frozen target (paper §3.3): batches of (sequence, anchor), one jitted step.
+
+Train state is a value: (drafter params, optax state). The target's parameters are an argument of the
+jitted step, never optimised (the drafter's borrowed embedding and LM head stay frozen with them).
+Batch (`make_batch`): tokens int32 [B, T] (right-padded), lengths [B], anchors [B] drawn uniformly from
+[max(1, prompt length), length − 2] with an explicit PRNG key, so every anchor has ≥ 1 ground-truth token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dspark_jax.decoding import round_up
+from dspark_jax.drafter import Drafter
+from dspark_jax.drafter_model import TargetHead
+from train.losses import LossWeights, drafter_loss
+
+
+def make_optimizer(lr: float, steps: int, warmup: int | None = None, clip: float = 1.0,
+                   weight_decay: float = 0.01) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay to lr/10, after global-norm clipping."""
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=weight_decay))
+
+
+def pad_sequences(sequences, multiple: int = 16):
+    """Token lists → (tokens int32 [N, T] right-padded with 0, lengths int32 [N])."""
+    lens = np.array([len(s) for s in sequences], np.int32)
+    if (lens < 3).any():
+        raise ValueError(f"training sequences need >= 3 tokens (context, anchor, target); {lens.min()=}")
+    tokens = np.zeros((len(sequences), round_up(int(lens.max()), multiple)), np.int32)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = s
+    return tokens, lens
+
+
+def sample_anchors(key, lengths, min_anchor):
+    """Anchors int32 [B] uniform on [max(1, min_anchor), length − 2] per row."""
+    lo = jnp.maximum(jnp.minimum(jnp.maximum(min_anchor, 1), lengths - 2), 1)
+    return jax.random.randint(key, lengths.shape, lo, lengths - 1).astype(jnp.int32)
+
+
+def make_batch(key, tokens, lengths, min_anchor, batch_size: int) -> dict:
+    """Rows drawn with replacement, one anchor each: {tokens [B, T], lengths [B], anchors [B]}."""
+    k_rows, k_anchor = jax.random.split(key)
+    rows = jax.random.randint(k_rows, (batch_size,), 0, tokens.shape[0])
+    lengths, min_anchor = jnp.asarray(lengths)[rows], jnp.asarray(min_anchor)[rows]
+    return {"tokens": jnp.asarray(tokens)[rows], "lengths": lengths,
+            "anchors": sample_anchors(k_anchor, lengths, min_anchor)}
+
+
+def _loss(dparams, tparams, batch, *, dgraph, tgraph, tied, weights):
+    """Frozen target forward over the full sequences, then the drafter loss."""
+    target = nnx.merge(tgraph, tparams)
+    model = nnx.merge(dgraph, dparams)
+    tokens = batch["tokens"]
+    B, T = tokens.shape
+    logits, _, feats = target(tokens, target.init_cache(B, T), hidden_layers=model.cfg.target_layers)
+    logits, feats = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(feats)
+    head = TargetHead.from_params(tparams, tied)
+    return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], logits, feats, weights)
+
+
+def make_loss_fn(target, drafter: Drafter, weights: LossWeights | None = None):
+    """Jitted (drafter params, batch) → (loss, metrics), for evaluation."""
+    weights = weights or LossWeights.for_kind(drafter.config.kind)
+    fn = jax.jit(functools.partial(_loss, dgraph=drafter.graphdef, tgraph=target.graphdef,
+                                   tied=target.config.tie_word_embeddings, weights=weights))
+    return lambda dparams, batch: fn(dparams, target.params, batch)
+
+
+def make_train_step(target, drafter: Drafter, tx: optax.GradientTransformation,
+                    weights: LossWeights | None = None):
+    """Jitted step (drafter params, opt_state, batch) → (params, opt_state, metrics); donates both states."""
+    weights = weights or LossWeights.for_kind(drafter.config.kind)
+    loss = functools.partial(_loss, dgraph=drafter.graphdef, tgraph=target.graphdef,
+                             tied=target.config.tie_word_embeddings, weights=weights)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(dparams, opt_state, tparams, batch):
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(dparams, tparams, batch)
+        updates, opt_state = tx.update(grads, opt_state, dparams)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return optax.apply_updates(dparams, updates), opt_state, metrics
+
+    return lambda dparams, opt_state, batch: step(dparams, opt_state, target.params, batch)
+
+
+def train_drafter(target, drafter: Drafter, sequences, *, steps: int, batch_size: int = 16, seed: int = 0,
+                  lr: float = 1e-3, prompt_lengths=None, weights: LossWeights | None = None, on_step=None,
+                  progress: bool = True) -> Drafter:
+    """Trains `drafter` on token sequences (e.g. prompt + the target's own response).
+
+    Args:
+        target: the frozen `Target`.
+        drafter: the starting `Drafter`; it is not modified (its parameters are copied).
+        sequences: list of token-id lists.
+        steps, batch_size, seed, lr: the run; `seed` fixes batches and anchors.
+        prompt_lengths: optional per-sequence prompt length; anchors then start at the last prompt token.
+        weights: loss weights (default: LossWeights.for_kind).
+        on_step: optional callback(step, metrics as host floats/arrays).
+        progress: show a tqdm bar.
+
+    Returns:
+        A new `Drafter` with the same config and trained parameters.
+    """
+    from tqdm.auto import tqdm
+
+    tokens, lengths = pad_sequences(sequences)
+    min_anchor = np.zeros_like(lengths)
+    if prompt_lengths is not None:
+        min_anchor = np.asarray(prompt_lengths, np.int32) - 1
+    tx = make_optimizer(lr, steps)
+    step_fn = make_train_step(target, drafter, tx, weights)
+    params = jax.tree.map(jnp.array, drafter.params)  # a copy: the step donates its input buffers
+    opt_state = tx.init(params)
+    key = jax.random.key(seed)
+    bar = tqdm(range(steps), desc=f"train {drafter.config.kind}", disable=not progress)
+    for i in bar:
+        batch = make_batch(jax.random.fold_in(key, i), tokens, lengths, min_anchor, batch_size)
+        params, opt_state, metrics = step_fn(params, opt_state, batch)
+        if on_step is not None or i % 10 == 0 or i == steps - 1:
+            host = jax.device_get(metrics)
+            acc = float(np.mean(host["acceptance"]))
+            bar.set_postfix(loss=f"{float(host['loss']):.3f}", acceptance=f"{acc:.3f}")
+            if on_step is not None:
+                on_step(i, host)
+    out = Drafter.__new__(Drafter)
+    out.config, out.graphdef, out.params = drafter.config, drafter.graphdef, params
+    return out
