@@ -117,8 +117,16 @@ class Drafter:
         shapes = lambda st: [x.shape for x in jax.tree.leaves(st)]  # noqa: E731
         if shapes(abstract) != shapes(self.params):
             raise ValueError(f"config change {sorted(changes)} would change parameter shapes")
-        out = Drafter.__new__(Drafter)
-        out.config, out.graphdef, out.params = cfg, graphdef, self.params
+        return Drafter._from_parts(cfg, graphdef, self.params)
+
+    def with_params(self, params) -> Drafter:
+        """The same config with new parameters (e.g. after a training run)."""
+        return Drafter._from_parts(self.config, self.graphdef, params)
+
+    @classmethod
+    def _from_parts(cls, config, graphdef, params) -> Drafter:
+        out = cls.__new__(cls)
+        out.config, out.graphdef, out.params = config, graphdef, params
         return out
 
     def module(self) -> DrafterModel:

@@ -145,8 +145,9 @@ class DrafterModel(nnx.Module):
                       next_tokens=None, last_feature=None) -> DrafterCache:
         """Writes context entries for target features feats [B, T, m·D] at positions [B, T].
 
-        dspark/dflash: entry = fc(feats). eagle3: entry t pairs `next_tokens` [B, T] with the feature; the
-        caller passes features already fused (see spec_decode) via `feats` of width D when `fused`.
+        dspark/dflash: `feats` are raw target features [B, T, m·D]; entry = RMSNorm(fc(feats)).
+        eagle3: `feats` are already fused features [B, T, D] (`project_features`), and entry t pairs
+        `next_tokens` [B, T] with them (EAGLE-3's [embedding(x_{t+1}); f_t]).
         """
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
         if self.cfg.kind == "eagle3":

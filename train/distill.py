@@ -132,6 +132,4 @@ def train_drafter(target, drafter: Drafter, sequences, *, steps: int, batch_size
             bar.set_postfix(loss=f"{float(host['loss']):.3f}", acceptance=f"{acc:.3f}")
             if on_step is not None:
                 on_step(i, host)
-    out = Drafter.__new__(Drafter)
-    out.config, out.graphdef, out.params = drafter.config, drafter.graphdef, params
-    return out
+    return drafter.with_params(params)
