@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.sampling import filter_probs, sample
+from dspark_jax.sampling import all_greedy, filter_probs, sample
 
 
 @dataclasses.dataclass
@@ -75,7 +75,14 @@ def decode_step(graphdef, params, cache, anchor, keys, step, temperature, top_k,
     model = nnx.merge(graphdef, params)
     logits, cache, _ = model(anchor[:, None], cache)
     probs = filter_probs(logits[:, 0], temperature, top_k, top_p)
-    return cache, sample(step_keys(keys, step), probs)
+    return cache, sample(step_keys(keys, step), probs, all_greedy(temperature))
+
+
+@jax.jit
+def first_token(logits, keys, temperature, top_k, top_p):
+    """The token after the prompt, from prefill's last-position logits [B, V] (step 0 of each row's stream)."""
+    probs = filter_probs(logits, temperature, top_k, top_p)
+    return sample(step_keys(keys, 0), probs, all_greedy(temperature))
 
 
 def sampling_arrays(batch: int, temperature: float, top_k: int, top_p: float):
@@ -123,7 +130,7 @@ def generate_target_only(target, prompts, *, max_new_tokens, temperature, top_k,
     track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
     t0 = time.perf_counter()
     logits, cache, _ = prefill(target.graphdef, target.params, jnp.asarray(tokens), cache, jnp.asarray(lens))
-    anchor = sample(step_keys(keys, 0), filter_probs(logits, temp, tk, tp))
+    anchor = first_token(logits, keys, temp, tk, tp)
     t1 = time.perf_counter()
     step = 0
     while True:

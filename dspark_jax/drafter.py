@@ -21,7 +21,7 @@ from flax import nnx
 
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead
-from dspark_jax.sampling import filter_probs, sample
+from dspark_jax.sampling import all_greedy, filter_probs, sample
 
 CONFIG_FILE = "drafter_config.json"
 PARAMS_DIR = "params"
@@ -49,15 +49,14 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
     cfg = model.cfg
     L = cfg.block_size
     B = anchor.shape[0]
+    greedy = all_greedy(temperature)
     if cfg.kind == "eagle3":
         return _draft_eagle(model, head, cache, anchor, keys, temperature, top_k, top_p)
     h = model.block_hidden(head, cache, anchor, cache.lengths)  # [B, L, D]
     U = head.logits(h)  # [B, L, V]
     if cfg.head == "none":  # DFlash: every position sampled independently from its marginal
         probs = filter_probs(U, temperature, top_k, top_p)
-        tok = jax.vmap(lambda k, p: jax.vmap(lambda j, pj: sample(jax.random.fold_in(k, j), pj))(
-            jnp.arange(L), p))(keys, probs)
-        return tok.astype(jnp.int32), probs, jnp.ones((B, L), jnp.float32)
+        return sample(keys, probs, greedy), probs, jnp.ones((B, L), jnp.float32)
 
     temps = jnp.asarray(cfg.calibration, jnp.float32) if cfg.calibration else jnp.ones((L,), jnp.float32)
 
@@ -67,7 +66,7 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
         e = model.markov_embedding(prev)  # [B, R]
         bias, state = model.sequential_bias(e, h_k, state)
         probs = filter_probs(U_k + bias, temperature, top_k, top_p)
-        x = sample(_step_keys(keys, k), probs)
+        x = sample(_step_keys(keys, k), probs, greedy)
         conf = jax.nn.sigmoid(model.confidence_logit(h_k, e) / t_k) if cfg.confidence else jnp.ones((B,))
         return (x, state), (x, probs, conf)
 
@@ -88,7 +87,7 @@ def _draft_eagle(model: DrafterModel, head, cache, anchor, keys, temperature, to
         tok, feat, ek, ev, emask = carry
         out, h, (kk, vv) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, (ek, ev, emask))
         probs = filter_probs(head.logits(h), temperature, top_k, top_p)
-        x = sample(_step_keys(keys, k), probs)
+        x = sample(_step_keys(keys, k), probs, all_greedy(temperature))
         ek = jax.lax.dynamic_update_index_in_dim(ek, kk.astype(dtype), k, 2)
         ev = jax.lax.dynamic_update_index_in_dim(ev, vv.astype(dtype), k, 2)
         emask = emask.at[:, k].set(True)

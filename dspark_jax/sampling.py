@@ -57,32 +57,19 @@ def filter_probs(
 
     greedy = temperature <= 0.0
     scaled = x / jnp.where(greedy, 1.0, temperature)
-
-    # Sort once, descending; stable so equal logits keep index order (lower index ranks first).
-    order = jnp.argsort(-scaled, axis=-1, stable=True)  # [B, T, V]
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-
-    # Top-k as a value threshold: everything >= the k-th largest survives (ties included).
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    kth = jnp.take_along_axis(sorted_logits, k - 1, axis=-1)  # [B, T, 1]
-    keep = sorted_logits >= kth
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-
-    # Top-p on the top-k-renormalised distribution: a token stays if the mass strictly before it is
-    # < top_p, which keeps the token that crosses the threshold. The explicit `top_p >= 1` term keeps
-    # "off" exact even where the float cumsum rounds up to 1 before the tail.
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    rank = jnp.arange(v)
-    keep &= (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)
-    sorted_probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-
-    # Undo the sort: scatter each sorted value back to its token index.
-    probs = jnp.put_along_axis(jnp.zeros_like(sorted_probs), order, sorted_probs, axis=-1, inplace=False)
+    # Sorting V logits per position is the expensive part: skip it when no row filters (the common case).
+    needs_sort = jnp.any((top_k > 0) | (top_p < 1.0))
+    probs = jax.lax.cond(needs_sort, lambda: _sorted_filter(scaled, top_k, top_p),
+                         lambda: jax.nn.softmax(scaled, axis=-1))
 
     one_hot = jax.nn.one_hot(jnp.argmax(x, axis=-1), v, dtype=jnp.float32)
     probs = jnp.where(greedy, one_hot, probs)
     return probs[:, 0, :] if squeeze else probs
+
+
+def all_greedy(temperature: jax.Array) -> jax.Array:
+    """True when every row of the batch decodes greedily (temperature [B] all zero)."""
+    return jnp.all(jnp.asarray(temperature) <= 0.0)
 
 
 def row_keys(key: jax.Array, n: int) -> jax.Array:
@@ -106,7 +93,7 @@ def _sample_one(key: jax.Array, probs: jax.Array) -> jax.Array:
     return jnp.argmax(score, axis=-1).astype(jnp.int32)
 
 
-def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+def sample(key: jax.Array, probs: jax.Array, all_greedy: jax.Array | None = None) -> jax.Array:
     """Draw one token per distribution: `argmax(probs / Exp(1))`.
 
     Args:
@@ -115,13 +102,47 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
         with keys[b] alone, so a request's samples do not depend on which batch it shares.
       probs: f32 [B, V] or [B, T, V]; need not be normalised; must have a positive entry per row.
 
+      all_greedy: optional bool scalar (may be traced): every row is greedy (one-hot), so a plain argmax
+        gives the same tokens without generating V random numbers per row.
+
     Returns:
       tokens: int32 [B] or [B, T]. Zero-probability tokens are never returned; a one-hot row always
       returns its hot index.
     """
     probs = probs.astype(jnp.float32)
+    if all_greedy is not None:
+        return jax.lax.cond(all_greedy, lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32),
+                            lambda: sample(key, probs))
     if _is_batched_key(key):
         if key.shape[0] != probs.shape[0]:
             raise ValueError(f"per-row keys need {key.shape[0]=} == {probs.shape[0]=}")
         return jax.vmap(_sample_one)(key, probs)
     return _sample_one(key, probs)
+
+
+def _sorted_filter(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k then top-p on temperature-scaled logits [B, T, V] (parameters [B, 1, 1])."""
+    v = scaled.shape[-1]
+
+    # Sort once, descending; stable so equal logits keep index order (lower index ranks first).
+    order = jnp.argsort(-scaled, axis=-1, stable=True)  # [B, T, V]
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+
+    # Top-k as a value threshold: everything >= the k-th largest survives (ties included).
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(sorted_logits, k - 1, axis=-1)  # [B, T, 1]
+    keep = sorted_logits >= kth
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    # Top-p on the top-k-renormalised distribution: a token stays if the mass strictly before it is
+    # < top_p, which keeps the token that crosses the threshold. The explicit `top_p >= 1` term keeps
+    # "off" exact even where the float cumsum rounds up to 1 before the tail.
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    rank = jnp.arange(v)
+    keep &= (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)
+    sorted_probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+
+    # Undo the sort: scatter each sorted value back to its token index.
+    return jnp.put_along_axis(jnp.zeros_like(sorted_probs), order, sorted_probs, axis=-1, inplace=False)
+

@@ -26,6 +26,7 @@ from flax import nnx
 from dspark_jax.decoding import (
     GenerateResult,
     StopTracker,
+    first_token,
     pad_prompts,
     prefill,
     round_up,
@@ -35,9 +36,9 @@ from dspark_jax.decoding import (
 )
 from dspark_jax.drafter import draft_block
 from dspark_jax.drafter_model import DrafterModel, TargetHead
-from dspark_jax.sampling import filter_probs, sample
+from dspark_jax.sampling import all_greedy, filter_probs
 from dspark_jax.scheduling import fixed_lengths, prefix_schedule, survival, threshold_lengths
-from dspark_jax.verification import verify
+from dspark_jax.verification import greedy_verify, verify
 
 POLICY_KINDS = ("fixed", "threshold", "dspark-sync")
 
@@ -100,8 +101,11 @@ def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rn
     n = tcache.lengths
     block = jnp.concatenate([anchor[:, None], draft], axis=1)  # [B, L+1]
     logits, tcache, feats = target(block, tcache, lengths + 1, hidden_layers=dcfg.target_layers)
-    p = filter_probs(logits, temperature, top_k, top_p)
-    res = verify(verify_keys, p, draft, q, lengths)
+    # All-greedy batches skip the V-sized filtering and random draws: greedy_verify equals verify on one-hots.
+    res = jax.lax.cond(
+        all_greedy(temperature),
+        lambda: greedy_verify(jnp.argmax(logits, -1).astype(jnp.int32), draft, lengths),
+        lambda: verify(verify_keys, filter_probs(logits, temperature, top_k, top_p), draft, q, lengths))
     m = res.num_accepted
     tcache = tcache.with_lengths(n + m + 1)
     rows = jnp.arange(anchor.shape[0])
@@ -160,7 +164,7 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
     dcache = drafter_prefill(drafter.graphdef, drafter.params, target.params, dcache, feats, jnp.asarray(tokens),
                              jnp.asarray(lens), tied=tied)
     # The first token comes from the prefill (as in target-only decoding) and is the first anchor.
-    anchor = sample(step_keys(keys, 0), filter_probs(logits, temp, tk, tp))
+    anchor = first_token(logits, keys, temp, tk, tp)
     first = np.asarray(anchor)
     for b in range(B):
         taken = track.push(b, first[b : b + 1])

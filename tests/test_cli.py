@@ -90,21 +90,13 @@ def test_fake_gguf(tmp_path):
     assert_one_line_error(run_cli("--prompt", "hi", "--target", str(path)), "not a GGUF file", "b'nope'")
 
 
-def _gpt2_dir(tmp_path, weights: bytes | None):
-    """A Hugging Face directory whose config.json says gpt2; `weights` None = a valid one-tensor file."""
+def test_unsupported_architecture_hf_dir(tmp_path):
     from safetensors.numpy import save_file
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 8, "n_embd": 4}))
-    if weights is None:
-        save_file({"wte.weight": np.zeros((8, 4), np.float32)}, str(tmp_path / "model.safetensors"))
-    else:
-        (tmp_path / "model.safetensors").write_bytes(weights)
-    return str(tmp_path)
-
-
-def test_unsupported_architecture_hf_dir(tmp_path):
+    save_file({"wte.weight": np.zeros((8, 4), np.float32)}, str(tmp_path / "model.safetensors"))
     # The architecture error comes from ModelConfig.from_hf (config parsing), wrapped by load_target.
-    line = assert_one_line_error(run_cli("--prompt", "hi", "--target", _gpt2_dir(tmp_path, None)),
+    line = assert_one_line_error(run_cli("--prompt", "hi", "--target", str(tmp_path)),
                                  "unsupported architecture 'gpt2'", "llama, qwen3")  # fmt: skip
     assert line.startswith("error: cannot load ")
 
