@@ -150,7 +150,7 @@ def generate_target_only(target, prompts, *, max_new_tokens, temperature, top_k,
 
 def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, policy=None,
-             on_tokens=None) -> GenerateResult:
+             on_tokens=None, kernels: str = "auto") -> GenerateResult:
     """Generates continuations of token-id prompts, target-only or speculatively with a drafter.
 
     Args:
@@ -163,6 +163,7 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
         ignore_eos: keep going past EOS tokens.
         policy: speculative verification-length policy (see spec_decode.py); default verifies the full block.
         on_tokens: optional callback(row, new_tokens) for streaming.
+        kernels: "auto" (Pallas on GPU/TPU), "pallas" (forced; interpreted on CPU) or "reference".
 
     Returns:
         GenerateResult with `.tokens` and `.stats`.
@@ -177,6 +178,8 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
               ignore_eos=ignore_eos, on_tokens=on_tokens)
     if drafter is None:
         return generate_target_only(target, prompts, **kw)
+    from dspark_jax.kernels import use_pallas
     from dspark_jax.spec_decode import generate_speculative
 
-    return generate_speculative(target, drafter, prompts, policy=policy, **kw)
+    use_pallas(kernels)  # validates the mode
+    return generate_speculative(target, drafter, prompts, policy=policy, kernels=kernels, **kw)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import kernels as kernels_lib
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead
 from dspark_jax.sampling import all_greedy, filter_probs, sample
@@ -31,7 +32,8 @@ def _step_keys(keys, k):
     return jax.vmap(lambda key: jax.random.fold_in(key, k))(keys)
 
 
-def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor, keys, temperature, top_k, top_p):
+def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor, keys, temperature, top_k, top_p,
+                kernels: str = "auto"):
     """Drafts one block per row.
 
     Args:
@@ -41,6 +43,8 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
         anchor: int32 [B], the last emitted token (position n).
         keys: typed PRNG keys [B] for this round (one stream per row).
         temperature, top_k, top_p: per-row filtering [B].
+        kernels: "auto" | "pallas" | "reference" (dspark_jax.kernels): the Markov head may run as the fused
+            Pallas sampler; batches with top-k/top-p rows always take the scan path.
 
     Returns:
         (draft tokens int32 [B, L], draft probs f32 [B, L, V], confidence f32 [B, L]).
@@ -70,10 +74,28 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
         conf = jax.nn.sigmoid(model.confidence_logit(h_k, e) / t_k) if cfg.confidence else jnp.ones((B,))
         return (x, state), (x, probs, conf)
 
-    state0 = jnp.zeros((B, cfg.markov_rank), model.markov_w1[...].dtype)
-    xs = (jnp.arange(L), h.swapaxes(0, 1), U.swapaxes(0, 1), temps)
-    _, (tok, probs, conf) = jax.lax.scan(body, (anchor, state0), xs)
-    return tok.T.astype(jnp.int32), probs.swapaxes(0, 1), conf.T.astype(jnp.float32)
+    def scan_path():
+        state0 = jnp.zeros((B, cfg.markov_rank), model.markov_w1[...].dtype)
+        xs = (jnp.arange(L), h.swapaxes(0, 1), U.swapaxes(0, 1), temps)
+        _, (tok, probs, conf) = jax.lax.scan(body, (anchor, state0), xs)
+        return tok.T.astype(jnp.int32), probs.swapaxes(0, 1), conf.T.astype(jnp.float32)
+
+    if cfg.head != "markov" or not kernels_lib.use_pallas(kernels):
+        return scan_path()
+
+    def fused_path():
+        # The kernel samples the tokens without writing corrected logits; q for verification is then rebuilt
+        # in one parallel pass from the Markov embeddings it returns (no sequential dependency left).
+        seeds = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
+        w1, w2 = model.markov_w1[...], model.markov_w2[...]
+        out = kernels_lib.markov_sample(U, w1, w2, anchor, temperature.astype(jnp.float32), seeds)
+        bias = jnp.einsum("BLR,RV->BLV", out.e, w2, preferred_element_type=jnp.float32)
+        probs = filter_probs(U + bias, temperature, top_k, top_p)
+        conf = jax.nn.sigmoid(jax.vmap(model.confidence_logit, in_axes=1, out_axes=1)(h, out.e) / temps)
+        return out.tokens.astype(jnp.int32), probs, conf.astype(jnp.float32)
+
+    filtered = jnp.any((top_k > 0) | (top_p < 1.0))
+    return jax.lax.cond(filtered, scan_path, fused_path)
 
 
 def _draft_eagle(model: DrafterModel, head, cache, anchor, keys, temperature, top_k, top_p):

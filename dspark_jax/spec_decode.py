@@ -83,10 +83,10 @@ class Policy:
         return prefix_schedule(a, sps)
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "dcfg", "policy", "tied"),
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "dcfg", "policy", "tied", "kernels"),
                    donate_argnames=("tcache", "dcache"))
 def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rnd, temperature, top_k, top_p, *,
-              dcfg, policy: Policy, tied: bool):
+              dcfg, policy: Policy, tied: bool, kernels: str = "auto"):
     """One speculative round for a batch. Returns (tcache, dcache, next anchor [B], emitted [B, L+1]
     (padded with −1), num_emitted [B], verification lengths [B], num_accepted [B], confidence [B, L])."""
     L = dcfg.block_size
@@ -96,7 +96,8 @@ def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rn
     round_keys = step_keys(keys, rnd)
     draft_keys, verify_keys = step_keys(round_keys, 0), step_keys(round_keys, 1)
 
-    draft, q, conf = draft_block(dgraph, dparams, head, dcache, anchor, draft_keys, temperature, top_k, top_p)
+    draft, q, conf = draft_block(dgraph, dparams, head, dcache, anchor, draft_keys, temperature, top_k, top_p,
+                                 kernels)
     lengths = policy.lengths(conf, L)
     n = tcache.lengths
     block = jnp.concatenate([anchor[:, None], draft], axis=1)  # [B, L+1]
@@ -139,7 +140,7 @@ def drafter_prefill(dgraph, dparams, tparams, dcache, feats, tokens, lengths, *,
 
 
 def generate_speculative(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p,
-                         seed, ignore_eos, on_tokens=None) -> GenerateResult:
+                         seed, ignore_eos, on_tokens=None, kernels="auto") -> GenerateResult:
     """Speculative decoding of a batch of prompts. See `dspark_jax.generate`."""
     drafter.check_target(target)
     dcfg = drafter.config
@@ -177,7 +178,7 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
         live = ~track.done
         tcache, dcache, anchor, emitted, num_emitted, lengths, m, _ = spec_step(
             target.graphdef, target.params, drafter.graphdef, drafter.params, tcache, dcache, anchor, keys, rnd,
-            temp, tk, tp, dcfg=dcfg, policy=policy, tied=tied)
+            temp, tk, tp, dcfg=dcfg, policy=policy, tied=tied, kernels=kernels)
         emitted, num_emitted = np.asarray(emitted), np.asarray(num_emitted)
         lengths, m = np.asarray(lengths), np.asarray(m)
         for b in np.flatnonzero(live):

@@ -181,3 +181,23 @@ def test_checkpoint_round_trip_and_wrong_target(tiny_target, tmp_path, small_voc
                     fh.write(b"garbage")
     with pytest.raises(ValueError, match="corrupt"):
         dspark_jax.load_drafter(str(tmp_path / "ck"), tiny_target)
+
+
+# ---- Pallas kernels forced on (interpret mode on CPU) ------------------------------------------------------------
+def test_greedy_equality_with_pallas_markov_sampler(tiny_target, greedy_reference):
+    d = _drafter(tiny_target, "dspark", 4, scramble=0.5)
+    out = dspark_jax.generate(tiny_target, _prompts(), d, max_new_tokens=24, ignore_eos=True, kernels="pallas")
+    assert out.tokens == greedy_reference
+
+
+def test_pallas_markov_sampler_follows_exact_target_distribution(small_vocab_target):
+    pytest.importorskip("scipy")
+    prompt = [3, 5, 2, 7]
+    joint = _exact_joint(small_vocab_target, prompt, 1.0, 0, 1.0).reshape(-1)
+    d = _drafter(small_vocab_target, "dspark", 3, seed=1, scramble=1.0)
+    N = 8000
+    res = dspark_jax.generate(small_vocab_target, [prompt] * N, d, max_new_tokens=3, temperature=1.0, seed=7,
+                              ignore_eos=True, kernels="pallas")
+    idx = np.ravel_multi_index(np.array([t[:3] for t in res.tokens]).T, (V_SMALL,) * 3)
+    counts = np.bincount(idx, minlength=joint.size).astype(float)
+    assert _chi2_pvalue(counts, joint * N) > 1e-3

@@ -1,0 +1,34 @@
+"""The one door from `dspark_jax` to `pallas_kernels`: picks the Pallas kernel or its plain-jnp path.
+
+Modes (a static argument, never an environment variable):
+  "auto"      — the kernel on GPU/TPU, the jnp path on CPU (where Pallas only interprets, slowly);
+  "pallas"    — force the kernel (on CPU it runs in interpret mode: for tests);
+  "reference" — force the jnp path.
+"""
+
+from __future__ import annotations
+
+import jax
+
+KERNEL_MODES = ("auto", "pallas", "reference")
+
+
+def use_pallas(mode: str) -> bool:
+    """Whether `mode` selects the Pallas kernel on the current default backend."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"unknown kernel mode {mode!r}; choose one of {', '.join(KERNEL_MODES)}")
+    if mode == "auto":
+        return jax.default_backend() in ("gpu", "tpu")
+    return mode == "pallas"
+
+
+def markov_sample(U, w1, w2, anchor, temperature, seeds):
+    """The fused Markov-head sampler (pallas_kernels/markov_sample.py), interpreted on CPU.
+
+    U [B, L, V], w1 [V, R], w2 [R, V], anchor int32 [B], temperature f32 [B], seeds uint32 [B, 2] →
+    MarkovSample(tokens [B, L], logq [B, L], lse [B, L], e [B, L, R]). Temperature-only: callers route batches
+    with top-k/top-p to the scan path.
+    """
+    from pallas_kernels.markov_sample import markov_sample as kernel
+
+    return kernel(U, w1, w2, anchor, temperature, seeds)
