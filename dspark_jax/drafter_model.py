@@ -163,6 +163,19 @@ class DrafterModel(nnx.Module):
         return DrafterCache(k=tuple(ks), v=tuple(vs), lengths=new_lengths.astype(jnp.int32),
                             last_feature=cache.last_feature if last_feature is None else last_feature)
 
+    def write_prompt(self, cache: DrafterCache, head: TargetHead, tokens, feats, committed) -> DrafterCache:
+        """Context from a whole sequence: tokens [B, T] and their target features [B, T, m·D] at positions 0..T−1,
+        of which the first `committed` [B] count (prefill: the prompt lengths; training: the anchors n)."""
+        B, T = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if self.cfg.kind != "eagle3":
+            return self.write_context(cache, head, feats, positions, committed)
+        # EAGLE-3 entry t pairs f_t with x_{t+1}: entries 0..n−2 count, f_{n−1} waits for the anchor x_n.
+        fused = self.project_features(feats)
+        next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], 1)
+        return self.write_context(cache, head, fused, positions, committed - 1, next_tokens=next_tokens,
+                                  last_feature=fused[jnp.arange(B), committed - 1])
+
     # ---- parallel block pass (dspark / dflash) ----------------------------------------------------------------
     def block_hidden(self, head: TargetHead, cache: DrafterCache, anchor: jax.Array, start: jax.Array):
         """One parallel pass. anchor [B] at positions `start` [B] (= committed length n).

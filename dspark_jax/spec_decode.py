@@ -127,16 +127,7 @@ def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rn
 def drafter_prefill(dgraph, dparams, tparams, dcache, feats, tokens, lengths, *, tied: bool):
     """Writes the prompt's target features into the drafter's context cache (the prompt is [B, T], ragged)."""
     drafter: DrafterModel = nnx.merge(dgraph, dparams)
-    head = TargetHead.from_params(tparams, tied)
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    if drafter.cfg.kind != "eagle3":
-        return drafter.write_context(dcache, head, feats, positions, lengths)
-    # EAGLE-3 entry t pairs f_t with x_{t+1}: entries 0..P−2 go to the cache, f_{P−1} waits for the anchor.
-    fused = drafter.project_features(feats)
-    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], 1)
-    return drafter.write_context(dcache, head, fused, positions, lengths - 1, next_tokens=next_tokens,
-                                 last_feature=fused[jnp.arange(B), lengths - 1])
+    return drafter.write_prompt(dcache, TargetHead.from_params(tparams, tied), tokens, feats, lengths)
 
 
 def generate_speculative(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p,

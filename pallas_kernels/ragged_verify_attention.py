@@ -86,7 +86,7 @@ def _online_softmax_step(q, k, v, first_key, pos0, carry, *, group: int, sm_scal
     M, bkv = q.shape[0], k.shape[0]
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                         precision=precision) * sm_scale  # [M, bkv]
-    q_pos = pos0 + lax.broadcasted_iota(jnp.int32, (M, bkv), 0) // group
+    q_pos = pos0 + lax.div(lax.broadcasted_iota(jnp.int32, (M, bkv), 0), group)
     k_pos = first_key + lax.broadcasted_iota(jnp.int32, (M, bkv), 1)
     s = jnp.where(k_pos <= q_pos, s, MASK_VALUE)  # causal; positions ≥ context_len are > every real q_pos
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -115,8 +115,9 @@ def _loop_kernel(req_ref, pos0_ref, nkeys_ref, bt_ref, q_ref, k_ref, v_ref, o_re
     blocks_per_page = page_size // block_kv
 
     def body(j, carry):
-        page = bt_ref[r, j // blocks_per_page]
-        off = pl.multiple_of((j % blocks_per_page) * block_kv, block_kv)
+        # lax.div / lax.rem (j ≥ 0): jnp's floor-division wrappers emit a select Triton's lowering mistypes
+        page = bt_ref[r, lax.div(j, blocks_per_page)]
+        off = pl.multiple_of(lax.rem(j, blocks_per_page) * block_kv, block_kv)
         k = k_ref[page, h, pl.ds(off, block_kv), :]
         v = v_ref[page, h, pl.ds(off, block_kv), :]
         return _online_softmax_step(q, k, v, j * block_kv, pos0, carry, group=group, sm_scale=sm_scale,
@@ -210,7 +211,7 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
             name="ragged_verify_attention",
         )(*scalars, block_tables.reshape(-1), qt, k_pages, v_pages)  # SMEM wants 1-D tables
     else:
-        whole = pl.BlockSpec(memory_space=pl.ANY) if False else None  # noqa: F841  (kept whole: no BlockSpec)
+        whole = pl.BlockSpec()  # no block shape: the whole array, unblocked
         tile_spec = pl.BlockSpec((None, None, M, H), lambda t, h: (t, h, 0, 0))
         compiler_params = None
         if cfg.backend == "gpu" and not cfg.interpret:
@@ -220,7 +221,7 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
         out = pl.pallas_call(
             functools.partial(_loop_kernel, page_size=page_size, **kernel_kw),
             grid=(n_tiles, K),
-            in_specs=[None, None, None, None, tile_spec, None, None],  # None: the whole array, unblocked
+            in_specs=[whole] * 4 + [tile_spec, whole, whole],  # the cache and tables stay whole in HBM
             out_specs=tile_spec,
             out_shape=out_shape,
             compiler_params=compiler_params,
@@ -238,3 +239,138 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
     src = (first_tile[r] + offset // bq) * bq + offset % bq
     valid = (t_row >= query_start[0]) & (t_row < query_start[-1])
     return jnp.where(valid[:, None, None], out[jnp.clip(src, 0, n_tiles * bq - 1)], 0).astype(q.dtype)
+
+
+# ---- public API ----------------------------------------------------------------------------------------------
+def ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *,
+                            sm_scale: float | None = None, block_q: int | None = None, block_kv: int | None = None,
+                            interpret: bool | None = None, backend: str | None = None):
+    """Attention of a flat bucket of verification queries over their requests' paged caches (module docstring).
+
+    Args:
+        q: [T, N, H] query tokens of all requests, back to back; rows ≥ query_start[R] are padding. f32 or bf16.
+        k_pages, v_pages: [P, K, page_size, H] in q's dtype; N % K == 0.
+        block_tables: int32 [R, max_pages]; page ids of request r in order (entries past its pages are ignored).
+        context_lens: int32 [R]; cached tokens of request r including this block.
+        query_start: int32 [R+1]; cumulative query lengths, query_start[0] = 0.
+        sm_scale: softmax scale (default 1/sqrt(H)).
+        block_q: query tokens per tile (GPU: block_q·G is padded to a power of two ≥ 16; TPU: to a multiple of 8).
+        block_kv: cache tokens per inner step; must divide page_size (GPU: power of two ≥ 16; TPU: multiple of 8).
+        interpret: run the Pallas interpreter; None means "only on CPU".
+        backend: "gpu" (Triton), "tpu" (Mosaic) or "cpu" (interpreter only); None = jax.default_backend().
+            Choosing "gpu"/"tpu" with interpret=True runs that flavour's driver on a CPU.
+
+    Returns:
+        [T, N, H] in q's dtype; padding rows are 0.
+
+    Raises:
+        ValueError: bad shapes, dtypes, block sizes or backend.
+    """
+    cfg = _make_config(q, k_pages, v_pages, block_tables, context_lens, query_start, sm_scale, block_q, block_kv,
+                       interpret, backend)
+    return _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, cfg=cfg)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
+
+
+def _make_config(q, k_pages, v_pages, block_tables, context_lens, query_start, sm_scale, block_q, block_kv,
+                 interpret, backend) -> _Config:
+    """Validates inputs and fills per-backend defaults; every failure is a ValueError naming the culprit."""
+    if getattr(q, "ndim", None) != 3 or 0 in q.shape:
+        raise ValueError(f"q must be a non-empty [T, N, H], got {jnp.shape(q)=}")
+    T, N, H = q.shape
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype=}")
+    if getattr(k_pages, "ndim", None) != 4 or 0 in k_pages.shape:
+        raise ValueError(f"k_pages must be a non-empty [P, K, page_size, H], got {jnp.shape(k_pages)=}")
+    P, K, page_size, Hk = k_pages.shape
+    if jnp.shape(v_pages) != k_pages.shape:
+        raise ValueError(f"v_pages must have k_pages' shape {k_pages.shape}, got {jnp.shape(v_pages)=}")
+    if Hk != H:
+        raise ValueError(f"head dim of k_pages ({Hk}) must equal q's ({H}): {q.shape=}, {k_pages.shape=}")
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K} (GQA)")
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"q, k_pages, v_pages must share a dtype, got {q.dtype=}, {k_pages.dtype=}, "
+                         f"{v_pages.dtype=}")
+    if jnp.ndim(block_tables) != 2 or 0 in jnp.shape(block_tables):
+        raise ValueError(f"block_tables must be int32 [R, max_pages], got {jnp.shape(block_tables)=}")
+    R = block_tables.shape[0]
+    for name, x, shape in (("block_tables", block_tables, block_tables.shape), ("context_lens", context_lens, (R,)),
+                           ("query_start", query_start, (R + 1,))):
+        dtype = np.dtype(getattr(x, "dtype", None) or jnp.result_type(x))  # an int64 numpy table is an error
+        if jnp.shape(x) != shape or dtype != np.int32:
+            raise ValueError(f"{name} must be int32 {list(shape)} (R={R} from block_tables), got "
+                             f"{dtype.name} {list(jnp.shape(x))}")
+    sm_scale = 1.0 / math.sqrt(H) if sm_scale is None else sm_scale
+    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a positive Python float, got {sm_scale=!r}")
+
+    backend = jax.default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend=}")
+    interpret = backend == "cpu" if interpret is None else bool(interpret)
+    if backend == "cpu" and not interpret:
+        raise ValueError("backend='cpu' only runs in interpret mode (Pallas has no CPU compiler)")
+
+    G = N // K
+    if block_q is None:  # verification blocks are short; one tile per request covers q_len ≤ 8
+        block_q = max(1, min(8, _pow2(T), 16 // G if backend == "gpu" else 8))
+    block_kv = math.gcd(page_size, 128 if backend == "gpu" else 512) if block_kv is None else block_kv
+    for name, n in (("block_q", block_q), ("block_kv", block_kv)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {name}={n!r}")
+    if page_size % block_kv:
+        raise ValueError(f"block_kv must divide page_size, got {block_kv=}, {page_size=}")
+    rows = block_q * G
+    if backend == "gpu":
+        rows = max(16, _pow2(rows))  # Triton: power-of-two tensors, tl.dot needs every dim ≥ 16
+        for name, n in (("block_kv", block_kv), ("H", H)):
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"backend='gpu' needs {name} to be a power of two ≥ 16 (Triton dot), got "
+                                 f"{name}={n}; page_size={page_size} must allow it")
+    elif backend == "tpu":
+        rows = -(-rows // 8) * 8  # Mosaic tiles are 8 sublanes × 128 lanes
+        if block_kv % 8:
+            raise ValueError(f"backend='tpu' needs block_kv to be a multiple of 8, got {block_kv=}")
+    return _Config(backend, interpret, block_q, block_kv, rows, float(sm_scale))
+
+
+# ---- reference ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("sm_scale", "max_q_len"))
+def ragged_verify_attention_reference(q, k_pages, v_pages, block_tables, context_lens, query_start, *,
+                                      sm_scale: float | None = None, max_q_len: int | None = None):
+    """Plain-jnp oracle for `ragged_verify_attention`: gather each request's pages, mask, exact f32 softmax.
+
+    One request at a time (`lax.map`), so memory stays at one request's [max_q_len, N, S] scores. max_q_len
+    (static, default T) bounds every q_len_r; a smaller value only makes the reference cheaper.
+    """
+    T, N, H = q.shape
+    P, K, page_size, _ = k_pages.shape
+    G, Q = N // K, T if max_q_len is None else max_q_len
+    scale = 1.0 / math.sqrt(H) if sm_scale is None else sm_scale
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    q_pad = jnp.pad(q, ((0, Q), (0, 0), (0, 0)))
+    i = jnp.arange(Q, dtype=jnp.int32)
+
+    def one_request(args):
+        pages, ctx, start, q_len = args
+        pages = jnp.clip(pages, 0, P - 1)
+        k = k_pages[pages].transpose(1, 0, 2, 3).reshape(K, -1, H)  # [K, S, H], S = max_pages · page_size
+        v = v_pages[pages].transpose(1, 0, 2, 3).reshape(K, -1, H)
+        qr = lax.dynamic_slice_in_dim(q_pad, start, Q).reshape(Q, K, G, H)
+        s = jnp.einsum("QKGH,KSH->QKGS", qr, k, preferred_element_type=jnp.float32, precision=precision) * scale
+        pos = ctx - q_len + i  # absolute position of each query
+        visible = jnp.arange(k.shape[1])[None, :] <= pos[:, None]  # [Q, S]
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("QKGS,KSH->QKGH", p, v.astype(jnp.float32), precision=precision)
+        return o.reshape(Q, N, H)
+
+    q_len = query_start[1:] - query_start[:-1]
+    o = lax.map(one_request, (block_tables, context_lens, query_start[:-1], q_len))  # [R, Q, N, H]
+    dest = jnp.where(i[None, :] < q_len[:, None], query_start[:-1, None] + i, T)  # T = dropped
+    out = jnp.zeros((T, N, H), jnp.float32).at[dest.reshape(-1)].set(o.reshape(-1, N, H), mode="drop")
+    return out.astype(q.dtype)

@@ -68,16 +68,7 @@ def block_targets(tokens, lengths, anchors, target_logits, L: int):
 
 def context_cache(model: DrafterModel, head: TargetHead, tokens, feats, anchors) -> DrafterCache:
     """The drafter's context for anchors n [B]: every position's features written, lengths masking ≥ n."""
-    B, T = tokens.shape
-    cache = model.init_cache(B, T)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    if model.cfg.kind != "eagle3":
-        return model.write_context(cache, head, feats, positions, anchors)
-    # EAGLE-3 entry t pairs f_t with x_{t+1}; f_{n−1} waits for the anchor x_n (as in drafter_prefill).
-    fused = model.project_features(feats)
-    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], 1)
-    return model.write_context(cache, head, fused, positions, anchors - 1, next_tokens=next_tokens,
-                               last_feature=fused[jnp.arange(B), anchors - 1])
+    return model.write_prompt(model.init_cache(*tokens.shape), head, tokens, feats, anchors)
 
 
 def _dspark_logits(model: DrafterModel, head, cache, anchors, prev):
