@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.kernels import use_pallas
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 
 
@@ -60,20 +61,21 @@ def pad_prompts(prompts: list[list[int]], multiple: int = 16) -> tuple[np.ndarra
     return tokens, lens
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hidden_layers"), donate_argnames=("cache",))
-def prefill(graphdef, params, tokens, cache, lengths, hidden_layers=()):
+@functools.partial(jax.jit, static_argnames=("graphdef", "hidden_layers", "kernels"), donate_argnames=("cache",))
+def prefill(graphdef, params, tokens, cache, lengths, hidden_layers=(), kernels="auto"):
     """Runs the prompts through the target; returns (last-position logits [B, V], cache, hidden or None)."""
     model = nnx.merge(graphdef, params)
-    h, cache, hidden = model(tokens, cache, lengths, hidden_layers=hidden_layers, compute_logits=False)
+    h, cache, hidden = model(tokens, cache, lengths, hidden_layers=hidden_layers, compute_logits=False,
+                             kernels=kernels)
     last = h[jnp.arange(tokens.shape[0]), lengths - 1]
     return model.head(last), cache, hidden
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def decode_step(graphdef, params, cache, anchor, keys, step, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels"), donate_argnames=("cache",))
+def decode_step(graphdef, params, cache, anchor, keys, step, temperature, top_k, top_p, kernels="auto"):
     """One target-only step: feed the anchors [B], sample the next tokens [B]."""
     model = nnx.merge(graphdef, params)
-    logits, cache, _ = model(anchor[:, None], cache)
+    logits, cache, _ = model(anchor[:, None], cache, kernels=kernels)
     probs = filter_probs(logits[:, 0], temperature, top_k, top_p)
     return cache, sample(step_keys(keys, step), probs, all_greedy(temperature))
 
@@ -120,7 +122,7 @@ class StopTracker:
 
 
 def generate_target_only(target, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos,
-                         on_tokens=None) -> GenerateResult:
+                         on_tokens=None, kernels="auto") -> GenerateResult:
     """Plain autoregressive decoding with the target alone. See `dspark_jax.generate`."""
     B = len(prompts)
     temp, tk, tp = sampling_arrays(B, temperature, top_k, top_p)
@@ -129,7 +131,8 @@ def generate_target_only(target, prompts, *, max_new_tokens, temperature, top_k,
     keys = row_keys(seed, B)
     track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
     t0 = time.perf_counter()
-    logits, cache, _ = prefill(target.graphdef, target.params, jnp.asarray(tokens), cache, jnp.asarray(lens))
+    logits, cache, _ = prefill(target.graphdef, target.params, jnp.asarray(tokens), cache, jnp.asarray(lens),
+                               kernels=kernels)
     anchor = first_token(logits, keys, temp, tk, tp)
     t1 = time.perf_counter()
     step = 0
@@ -142,7 +145,8 @@ def generate_target_only(target, prompts, *, max_new_tokens, temperature, top_k,
         if track.done.all():
             break
         step += 1
-        cache, anchor = decode_step(target.graphdef, target.params, cache, anchor, keys, step, temp, tk, tp)
+        cache, anchor = decode_step(target.graphdef, target.params, cache, anchor, keys, step, temp, tk, tp,
+                                    kernels=kernels)
     t2 = time.perf_counter()
     return GenerateResult(tokens=track.out, stats={"rounds": step + 1, "tau": 1.0},
                           timings={"prefill_s": t1 - t0, "decode_s": t2 - t1})
@@ -175,11 +179,10 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
     if any(not 0 <= t < V for p in prompts for t in p):
         raise ValueError(f"prompt token ids must be in [0, {V})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              ignore_eos=ignore_eos, on_tokens=on_tokens)
+              ignore_eos=ignore_eos, on_tokens=on_tokens, kernels=kernels)
+    use_pallas(kernels)  # validates the mode
     if drafter is None:
         return generate_target_only(target, prompts, **kw)
-    from dspark_jax.kernels import use_pallas
     from dspark_jax.spec_decode import generate_speculative
 
-    use_pallas(kernels)  # validates the mode
-    return generate_speculative(target, drafter, prompts, policy=policy, kernels=kernels, **kw)
+    return generate_speculative(target, drafter, prompts, policy=policy, **kw)

@@ -32,3 +32,27 @@ def markov_sample(U, w1, w2, anchor, temperature, seeds):
     from pallas_kernels.markov_sample import markov_sample as kernel
 
     return kernel(U, w1, w2, anchor, temperature, seeds)
+
+
+def cached_attention(q, k_buf, v_buf, positions):
+    """Causal attention of padded query blocks over a contiguous KV cache, through the ragged paged kernel.
+
+    A contiguous cache [B, K, S, H] is the paged layout with one page of S slots per row (block table [b] = [b]).
+    Every row's T queries count as its verification block (padding queries produce values nobody reads), so
+    query_start = [0, T, 2T, …] and context_lens = positions[:, −1] + 1 (the block's K/V are already written).
+
+    Args:
+        q: [B, T, N, H]; k_buf, v_buf: [B, K, S, H]; positions: int32 [B, T] absolute query positions.
+
+    Returns:
+        [B, T, N, H].
+    """
+    from pallas_kernels.ragged_verify_attention import ragged_verify_attention
+
+    B, T, N, H = q.shape
+    out = ragged_verify_attention(
+        q.reshape(B * T, N, H), k_buf, v_buf,
+        block_tables=jax.numpy.arange(B, dtype=jax.numpy.int32)[:, None],
+        context_lens=(positions[:, -1] + 1).astype(jax.numpy.int32),
+        query_start=(jax.numpy.arange(B + 1, dtype=jax.numpy.int32) * T))
+    return out.reshape(B, T, N, H)

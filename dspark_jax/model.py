@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax import kernels as kernels_lib
 from dspark_jax.config import ModelConfig
 from dspark_jax.kv_cache import KVCache, write_kv
 from dspark_jax.layers import Projections, RMSNorm, SwiGLU, apply_rope, attention, rope_inv_freq
@@ -30,12 +31,16 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLU(dim=D, ffn=cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_buf, v_buf, mask):
+    def __call__(self, x, positions, inv_freq, k_buf, v_buf, mask, kernels="auto"):
         """x [B, T, D]; positions [B, T]; k_buf, v_buf [B, K, S, H]; mask [B, T, S] → (x, k_buf, v_buf)."""
         q, k, v = self.attn.qkv(self.attn_norm(x))
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         k_buf, v_buf = write_kv(k_buf, k, positions), write_kv(v_buf, v, positions)
-        x = x + self.attn.out(attention(q, k_buf, v_buf, mask))
+        if kernels_lib.use_pallas(kernels):  # the ragged paged verification kernel (mask is implied)
+            a = kernels_lib.cached_attention(q, k_buf, v_buf, positions)
+        else:
+            a = attention(q, k_buf, v_buf, mask)
+        x = x + self.attn.out(a)
         x = x + self.mlp(self.mlp_norm(x))
         return x, k_buf, v_buf
 
@@ -69,7 +74,7 @@ class Decoder(nnx.Module):
         return jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
-                 hidden_layers: tuple[int, ...] = (), compute_logits: bool = True):
+                 hidden_layers: tuple[int, ...] = (), compute_logits: bool = True, kernels: str = "auto"):
         """One forward over a block of new tokens per row.
 
         Args:
@@ -79,6 +84,7 @@ class Decoder(nnx.Module):
             hidden_layers: indices of layers whose outputs to return (0-based; layer i's output is HF's
                 `hidden_states[i + 1]`).
             compute_logits: False skips the LM head (prefill of a long prompt only needs the last position).
+            kernels: attention through the Pallas kernel or the jnp path (see dspark_jax.kernels).
 
         Returns:
             (logits float32 [B, T, V] or final-normed hidden [B, T, D] when compute_logits is False,
@@ -95,7 +101,7 @@ class Decoder(nnx.Module):
         x = self.embed_tokens(tokens)
         ks, vs, saved = [], [], {}
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], mask)
+            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], mask, kernels)
             ks.append(k)
             vs.append(v)
             if i in hidden_layers:

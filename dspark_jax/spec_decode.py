@@ -101,7 +101,7 @@ def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rn
     lengths = policy.lengths(conf, L)
     n = tcache.lengths
     block = jnp.concatenate([anchor[:, None], draft], axis=1)  # [B, L+1]
-    logits, tcache, feats = target(block, tcache, lengths + 1, hidden_layers=dcfg.target_layers)
+    logits, tcache, feats = target(block, tcache, lengths + 1, hidden_layers=dcfg.target_layers, kernels=kernels)
     # All-greedy batches skip the V-sized filtering and random draws: greedy_verify equals verify on one-hots.
     res = jax.lax.cond(
         all_greedy(temperature),
@@ -152,7 +152,7 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
 
     t0 = time.perf_counter()
     logits, tcache, feats = prefill(target.graphdef, target.params, jnp.asarray(tokens), tcache, jnp.asarray(lens),
-                                    hidden_layers=dcfg.target_layers)
+                                    hidden_layers=dcfg.target_layers, kernels=kernels)
     dcache = drafter_prefill(drafter.graphdef, drafter.params, target.params, dcache, feats, jnp.asarray(tokens),
                              jnp.asarray(lens), tied=tied)
     # The first token comes from the prefill (as in target-only decoding) and is the first anchor.

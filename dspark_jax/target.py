@@ -22,10 +22,11 @@ from dspark_jax.model import Decoder
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def apply(graphdef, params, tokens, cache, num_new=None, hidden_layers=(), compute_logits=True):
+def apply(graphdef, params, tokens, cache, num_new=None, hidden_layers=(), compute_logits=True, kernels="auto"):
     """Pure forward: `Decoder.__call__` on explicit (graphdef, params). See model.Decoder for shapes."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, cache, num_new, hidden_layers=hidden_layers, compute_logits=compute_logits)
+    return model(tokens, cache, num_new, hidden_layers=hidden_layers, compute_logits=compute_logits,
+                 kernels=kernels)
 
 
 class Target:
@@ -46,7 +47,7 @@ class Target:
         self.graphdef, self.params = nnx.split(model)
         self._forward = jax.jit(
             functools.partial(apply, self.graphdef),
-            static_argnames=("hidden_layers", "compute_logits"),
+            static_argnames=("hidden_layers", "compute_logits", "kernels"),
             donate_argnames=("cache",),
         )
 
@@ -66,11 +67,11 @@ class Target:
         return KVCache.init(num_layers=c.num_layers, batch=batch, num_kv_heads=c.num_kv_heads,
                             capacity=capacity, head_dim=c.head_dim, dtype=self.dtype)
 
-    def forward(self, tokens, cache, num_new=None, hidden_layers=(), compute_logits=True):
+    def forward(self, tokens, cache, num_new=None, hidden_layers=(), compute_logits=True, kernels="auto"):
         """Jitted `apply` with this target's params; the passed cache is donated (do not reuse it)."""
         return self._forward(self.params, jnp.asarray(tokens, jnp.int32), cache,
                              None if num_new is None else jnp.asarray(num_new, jnp.int32),
-                             hidden_layers=tuple(hidden_layers), compute_logits=compute_logits)
+                             hidden_layers=tuple(hidden_layers), compute_logits=compute_logits, kernels=kernels)
 
     def logits(self, token_ids) -> jax.Array:
         """Plain causal forward with no prior cache: int32 [B, T] → float32 [B, T, V]."""

@@ -74,7 +74,8 @@ CASES = [
 
 def case_id(case) -> str:
     q_lens, _, T, N, K, H, ps, dtype, opts = case
-    return f"q{'-'.join(map(str, q_lens))}-T{T}-N{N}K{K}-H{H}-ps{ps}-{jnp.dtype(dtype).name}-{opts.get('backend', 'cpu')}"
+    backend = opts.get("backend", "cpu")
+    return f"q{'-'.join(map(str, q_lens))}-T{T}-N{N}K{K}-H{H}-ps{ps}-{jnp.dtype(dtype).name}-{backend}"
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,T,N,K,H,page_size,dtype,opts", CASES, ids=[case_id(c) for c in CASES])

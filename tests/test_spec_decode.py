@@ -184,10 +184,13 @@ def test_checkpoint_round_trip_and_wrong_target(tiny_target, tmp_path, small_voc
 
 
 # ---- Pallas kernels forced on (interpret mode on CPU) ------------------------------------------------------------
-def test_greedy_equality_with_pallas_markov_sampler(tiny_target, greedy_reference):
+def test_greedy_equality_with_pallas_kernels(tiny_target, greedy_reference):
+    """Both kernels forced on: the fused Markov sampler drafts, ragged attention runs prefill and verification."""
     d = _drafter(tiny_target, "dspark", 4, scramble=0.5)
     out = dspark_jax.generate(tiny_target, _prompts(), d, max_new_tokens=24, ignore_eos=True, kernels="pallas")
     assert out.tokens == greedy_reference
+    alone = dspark_jax.generate(tiny_target, _prompts(), max_new_tokens=24, ignore_eos=True, kernels="pallas")
+    assert alone.tokens == greedy_reference
 
 
 def test_pallas_markov_sampler_follows_exact_target_distribution(small_vocab_target):
