@@ -10,9 +10,10 @@ Public API (names fixed):
 from dspark_jax.decoding import GenerateResult, generate
 from dspark_jax.drafter import Drafter, init_drafter, load_drafter
 from dspark_jax.drafter_config import DrafterConfig
+from dspark_jax.kernels import KernelConfig
 from dspark_jax.spec_decode import Policy, spec_step
 from dspark_jax.target import Target, load_target
 
-__all__ = ["Drafter", "DrafterConfig", "GenerateResult", "Policy", "Target", "generate", "init_drafter",
+__all__ = ["Drafter", "DrafterConfig", "GenerateResult", "KernelConfig", "Policy", "Target", "generate", "init_drafter",
            "load_drafter", "load_target", "spec_step"]
 __version__ = "0.1.0"

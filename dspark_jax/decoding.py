@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.kernels import use_pallas
+from dspark_jax.kernels import KernelConfig
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 
 
@@ -154,7 +154,7 @@ def generate_target_only(target, prompts, *, max_new_tokens, temperature, top_k,
 
 def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, policy=None,
-             on_tokens=None, kernels: str = "auto") -> GenerateResult:
+             on_tokens=None, kernels: str | KernelConfig = "auto") -> GenerateResult:
     """Generates continuations of token-id prompts, target-only or speculatively with a drafter.
 
     Args:
@@ -167,7 +167,8 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
         ignore_eos: keep going past EOS tokens.
         policy: speculative verification-length policy (see spec_decode.py); default verifies the full block.
         on_tokens: optional callback(row, new_tokens) for streaming.
-        kernels: "auto" (Pallas on GPU/TPU), "pallas" (forced; interpreted on CPU) or "reference".
+        kernels: "auto" (Pallas on GPU/TPU), "pallas" (forced; interpreted on CPU), "reference", or a
+            `kernels.KernelConfig` choosing per kernel.
 
     Returns:
         GenerateResult with `.tokens` and `.stats`.
@@ -180,7 +181,7 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
         raise ValueError(f"prompt token ids must be in [0, {V})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               ignore_eos=ignore_eos, on_tokens=on_tokens, kernels=kernels)
-    use_pallas(kernels)  # validates the mode
+    KernelConfig.parse(kernels)  # validates the modes
     if drafter is None:
         return generate_target_only(target, prompts, **kw)
     from dspark_jax.spec_decode import generate_speculative

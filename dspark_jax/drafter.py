@@ -80,7 +80,7 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
         _, (tok, probs, conf) = jax.lax.scan(body, (anchor, state0), xs)
         return tok.T.astype(jnp.int32), probs.swapaxes(0, 1), conf.T.astype(jnp.float32)
 
-    if cfg.head != "markov" or not kernels_lib.use_pallas(kernels):
+    if cfg.head != "markov" or not kernels_lib.use_pallas(kernels_lib.KernelConfig.parse(kernels).markov):
         return scan_path()
 
     def fused_path():

@@ -1,6 +1,6 @@
 """The one door from `dspark_jax` to `pallas_kernels`: picks the Pallas kernel or its plain-jnp path.
 
-Modes (a static argument, never an environment variable):
+Modes (a static argument, never an environment variable), per kernel or one string for both:
   "auto"      — the kernel on GPU/TPU, the jnp path on CPU (where Pallas only interprets, slowly);
   "pallas"    — force the kernel (on CPU it runs in interpret mode: for tests);
   "reference" — force the jnp path.
@@ -8,9 +8,29 @@ Modes (a static argument, never an environment variable):
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 KERNEL_MODES = ("auto", "pallas", "reference")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """Which path each kernel takes: `markov` (draft sampling) and `attention` (target forward)."""
+
+    markov: str = "auto"
+    attention: str = "auto"
+
+    def __post_init__(self):
+        for mode in (self.markov, self.attention):
+            if mode not in KERNEL_MODES:
+                raise ValueError(f"unknown kernel mode {mode!r}; choose one of {', '.join(KERNEL_MODES)}")
+
+    @classmethod
+    def parse(cls, spec: str | KernelConfig) -> KernelConfig:
+        """A KernelConfig, or one mode string for every kernel."""
+        return spec if isinstance(spec, KernelConfig) else cls(markov=spec, attention=spec)
 
 
 def use_pallas(mode: str) -> bool:
