@@ -67,3 +67,14 @@ def rewrite_config(directory, fn):
     d = fn(d)
     with open(path, "w") as f:
         json.dump(d, f)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled executables after each test module. A full run compiles thousands of programs;
+    late in such runs XLA:CPU segfaulted while compiling (in different tests each time), which fits running out
+    of memory mappings (vm.max_map_count) rather than any one test's logic."""
+    yield
+    import jax
+
+    jax.clear_caches()
