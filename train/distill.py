@@ -23,10 +23,10 @@ from train.losses import LossWeights, drafter_loss
 
 
 def make_optimizer(lr: float, steps: int, warmup: int | None = None, clip: float = 1.0,
-                   weight_decay: float = 0.01) -> optax.GradientTransformation:
-    """AdamW with linear warmup then cosine decay to lr/10, after global-norm clipping."""
+                   weight_decay: float = 0.01, end_lr_ratio: float = 0.1) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay to lr·end_lr_ratio, after global-norm clipping."""
     warmup = max(1, steps // 10) if warmup is None else warmup
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * end_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=weight_decay))
 
 
@@ -57,15 +57,16 @@ def make_batch(key, tokens, lengths, min_anchor, batch_size: int) -> dict:
 
 
 def _loss(dparams, tparams, batch, *, dgraph, tgraph, tied, weights):
-    """Frozen target forward over the full sequences, then the drafter loss."""
+    """Frozen target forward over the sequences (final hidden + the drafter's feature layers), then the loss."""
     target = nnx.merge(tgraph, tparams)
     model = nnx.merge(dgraph, dparams)
     tokens = batch["tokens"]
     B, T = tokens.shape
-    logits, _, feats = target(tokens, target.init_cache(B, T), hidden_layers=model.cfg.target_layers)
-    logits, feats = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(feats)
+    hidden, _, feats = target(tokens, target.init_cache(B, T), hidden_layers=model.cfg.target_layers,
+                              compute_logits=False)
+    hidden, feats = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(feats)
     head = TargetHead.from_params(tparams, tied)
-    return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], logits, feats, weights)
+    return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], hidden, feats, weights)
 
 
 def make_loss_fn(target, drafter: Drafter, weights: LossWeights | None = None):
@@ -77,20 +78,30 @@ def make_loss_fn(target, drafter: Drafter, weights: LossWeights | None = None):
 
 
 def make_train_step(target, drafter: Drafter, tx: optax.GradientTransformation,
-                    weights: LossWeights | None = None):
-    """Jitted step (drafter params, opt_state, batch) → (params, opt_state, metrics); donates both states."""
+                    weights: LossWeights | None = None, shardings=None, tparams=None):
+    """Jitted step (drafter params, opt_state, batch) → (params, opt_state, metrics); donates both states.
+
+    `shardings` (from `train.sharding.train_shardings`) pins the parameter and optimizer-state layouts on a
+    mesh; without it the step runs wherever its inputs live (one device).
+    """
     weights = weights or LossWeights.for_kind(drafter.config.kind)
     loss = functools.partial(_loss, dgraph=drafter.graphdef, tgraph=target.graphdef,
                              tied=target.config.tie_word_embeddings, weights=weights)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(dparams, opt_state, tparams, batch):
         (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(dparams, tparams, batch)
         updates, opt_state = tx.update(grads, opt_state, dparams)
         metrics["grad_norm"] = optax.global_norm(grads)
         return optax.apply_updates(dparams, updates), opt_state, metrics
 
-    return lambda dparams, opt_state, batch: step(dparams, opt_state, target.params, batch)
+    if shardings is None:
+        jitted = jax.jit(step, donate_argnums=(0, 1))
+    else:
+        jitted = jax.jit(step, donate_argnums=(0, 1),
+                         in_shardings=(shardings.params, shardings.opt, shardings.target, shardings.batch),
+                         out_shardings=(shardings.params, shardings.opt, shardings.replicated))
+    tparams = target.params if tparams is None else tparams
+    return lambda dparams, opt_state, batch: jitted(dparams, opt_state, tparams, batch)
 
 
 def train_drafter(target, drafter: Drafter, sequences, *, steps: int, batch_size: int = 16, seed: int = 0,

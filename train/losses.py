@@ -1,12 +1,15 @@
 """Drafter training losses (paper §3.3, eq. 9–12) for the three drafters, as pure functions.
 
-A batch is rows of (sequence, anchor): tokens int32 [B, T], valid lengths [B], anchors n [B] with
-1 ≤ n ≤ length − 2. One frozen target forward over the whole sequences gives logits [B, T, V] and the
-concatenated hidden states of `target_layers` [B, T, m·D]. For a row with anchor x_n:
-  context  — the drafter's context cache gets the features of all T positions, but `lengths` = n masks
-             every position ≥ n (EAGLE-3: n − 1 entries pairing f_t with x_{t+1}, `last_feature` = f_{n−1});
-  targets  — block slot k (0-based) predicts x*_{n+1+k} (ground truth from the sequence) and is compared
-             with the target's p_t,k = softmax(logits[n+k]); slots with n+1+k ≥ length are masked.
+A batch is S sequences with A anchors each: tokens int32 [S, T], valid lengths [S], anchors n [S, A]
+(or [S] for one) with 1 ≤ n ≤ length − 2. One frozen target forward over the S sequences gives the final-normed
+hidden states [S, T, D] and the concatenated hidden states of `target_layers` [S, T, m·D]; all A anchors of a
+sequence share them (the S·A rows below are (sequence, anchor) pairs). For a row with anchor x_n:
+  context  — the drafter's context K/V are computed once per sequence over all T positions, repeated over its
+             anchors, and `lengths` = n masks every position ≥ n (EAGLE-3: n − 1 entries pairing f_t with
+             x_{t+1}, `last_feature` = f_{n−1});
+  targets  — block slot k (0-based) predicts x*_{n+1+k} (ground truth from the sequence) and is compared with
+             the target's p_t,k = softmax(head(h[n+k])), the LM head applied only at these S·A·L positions;
+             slots with n+1+k ≥ length are masked.
 Every per-slot term is position-weighted by w_k = exp(−k/L) (k 0-based, i.e. exp(−(k−1)/γ) 1-based) and
 averaged over the weighted, valid slots of the batch:
   L_ce   = −log p_d,k(x*_k)                                   (eq. 9)
@@ -54,21 +57,33 @@ def _gather_time(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def block_targets(tokens, lengths, anchors, target_logits, L: int):
-    """Ground truth x*_{n+1..n+L} [B, L], teacher-forcing inputs x*_{n..n+L−1} [B, L],
-    target probs p_t [B, L, V] and the valid-slot mask [B, L]."""
+def block_targets(tokens, lengths, anchors, target_hidden, head: TargetHead, L: int):
+    """For rows (tokens [B, T], lengths [B], anchors [B]): ground truth x*_{n+1..n+L} [B, L], teacher-forcing
+    inputs x*_{n..n+L−1} [B, L], target probs p_t [B, L, V] (the head at the L gathered positions of
+    target_hidden [B, T, D]) and the valid-slot mask [B, L]."""
     k = jnp.arange(L, dtype=jnp.int32)[None]
     idx = anchors[:, None] + k  # positions n+k: their logits predict x_{n+k+1}
     truth = _gather_time(tokens, idx + 1)
     prev = _gather_time(tokens, idx)
-    p_t = jax.nn.softmax(_gather_time(target_logits, idx), axis=-1)
+    p_t = jax.nn.softmax(head.logits(_gather_time(target_hidden, idx)), axis=-1)
     valid = (idx + 1) < lengths[:, None]
     return truth, prev, p_t, valid
 
 
 def context_cache(model: DrafterModel, head: TargetHead, tokens, feats, anchors) -> DrafterCache:
-    """The drafter's context for anchors n [B]: every position's features written, lengths masking ≥ n."""
-    return model.write_prompt(model.init_cache(*tokens.shape), head, tokens, feats, anchors)
+    """The drafter's context for anchors [S, A]: K/V from every position of each sequence (computed once per
+    sequence, repeated over its A anchors), lengths masking positions ≥ n. Returns a cache of S·A rows."""
+    S, T = tokens.shape
+    A = anchors.shape[1]
+    full = model.write_prompt(model.init_cache(S, T), head, tokens, feats, jnp.full((S,), T, jnp.int32))
+    rep = lambda x: jnp.repeat(x, A, axis=0)  # noqa: E731  row s·A + a = (sequence s, anchor a)
+    n = anchors.reshape(-1)
+    if model.cfg.kind == "eagle3":
+        last = model.project_features(_gather_time(rep(feats), (n - 1)[:, None]))[:, 0]
+        return DrafterCache(k=tuple(map(rep, full.k)), v=tuple(map(rep, full.v)), lengths=n - 1,
+                            last_feature=last.astype(full.last_feature.dtype))
+    return DrafterCache(k=tuple(map(rep, full.k)), v=tuple(map(rep, full.v)), lengths=n,
+                        last_feature=rep(full.last_feature))
 
 
 def _dspark_logits(model: DrafterModel, head, cache, anchors, prev):
@@ -113,15 +128,17 @@ def _eagle_logits(model: DrafterModel, head, cache, prev):
     return logits.swapaxes(0, 1)
 
 
-def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors, target_logits, feats,
+def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors, target_hidden, feats,
                  weights: LossWeights):
     """Training loss of one batch (eq. 12).
 
     Args:
         model: the drafter (merged; its parameters are what the gradient is taken with respect to).
         head: the target's frozen embedding and LM head.
-        tokens: int32 [B, T]; lengths: int32 [B] valid tokens per row; anchors: int32 [B], 1 ≤ n ≤ length − 2.
-        target_logits: float32 [B, T, V]; feats: target hidden states [B, T, m·D] (one frozen forward).
+        tokens: int32 [S, T]; lengths: int32 [S] valid tokens per sequence; anchors: int32 [S, A] or [S],
+            1 ≤ n ≤ length − 2.
+        target_hidden: the target's final-normed hidden states [S, T, D]; feats: hidden states of
+            `target_layers` [S, T, m·D] (one frozen forward).
         weights: α_ce, α_tv, α_conf.
 
     Returns:
@@ -130,8 +147,12 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
     """
     cfg: DrafterConfig = model.cfg
     L = cfg.block_size
-    truth, prev, p_t, valid = block_targets(tokens, lengths, anchors, target_logits, L)
+    anchors = anchors[:, None] if anchors.ndim == 1 else anchors
+    A = anchors.shape[1]
     cache = context_cache(model, head, tokens, feats, anchors)
+    rep = lambda x: jnp.repeat(x, A, axis=0)  # noqa: E731
+    anchors = anchors.reshape(-1)
+    truth, prev, p_t, valid = block_targets(rep(tokens), rep(lengths), anchors, rep(target_hidden), head, L)
     conf_logit = None
     if cfg.kind == "eagle3":
         logits = _eagle_logits(model, head, cache, prev)

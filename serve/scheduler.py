@@ -1,0 +1,103 @@
+"""Per-step verification decisions of the serving engine (paper §3.2.2, §5.2; explainer parts 7–9).
+
+Schedulers (flag `--scheduler`):
+  none          target only: every running request verifies just its anchor (ℓ = 0), no drafter runs.
+  fixed:N       ℓ = min(N, L) for every request.
+  threshold:X   ℓ = the leading draft tokens with survival a_k ≥ X (current step; a host sync per step).
+  dspark-sync   Algorithm 1 with the early-stop break on the current step's survival (host sync per step).
+  dspark        §5.2: the pass capacity K is fixed from survival two steps old by a global search over the
+                SPS table (no break); the current step's top-K draft tokens by survival fill it on device.
+                The host never waits for the current drafts to choose K.
+A pass over R running requests with Σℓ draft tokens holds R + Σℓ tokens and runs in the smallest capacity
+bucket that fits; `sps` is the profiled steps/s per bucket, expanded to a per-token step table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.scheduling import bucket_sps, capacity_search, prefix_schedule, survival, threshold_lengths
+
+KINDS = ("none", "fixed", "threshold", "dspark-sync", "dspark")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSpec:
+    kind: str
+    n: int = 0
+    threshold: float = 0.5
+
+    @classmethod
+    def parse(cls, text: str) -> SchedulerSpec:
+        kind, _, arg = text.partition(":")
+        if kind not in KINDS:
+            raise ValueError(f"unknown scheduler {text!r}; choose none, fixed:N, threshold:X, dspark-sync or dspark")
+        try:
+            if kind == "fixed":
+                n = int(arg)
+                if n < 0:
+                    raise ValueError
+                return cls(kind, n=n)
+            if kind == "threshold":
+                x = float(arg)
+                if not 0.0 <= x <= 1.0:
+                    raise ValueError
+                return cls(kind, threshold=x)
+        except ValueError:
+            raise ValueError(f"bad scheduler {text!r}: fixed:N needs an integer N >= 0, threshold:X an X in "
+                             "[0, 1]") from None
+        if arg:
+            raise ValueError(f"scheduler {kind!r} takes no argument, got {text!r}")
+        return cls(kind)
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.kind != "none" and not (self.kind == "fixed" and self.n == 0)
+
+    @property
+    def needs_confidence(self) -> bool:
+        return self.kind in ("threshold", "dspark-sync", "dspark")
+
+    @property
+    def syncs_on_drafts(self) -> bool:
+        """Whether the lengths depend on the current step's confidences read back on the host."""
+        return self.kind in ("threshold", "dspark-sync")
+
+
+def pick_bucket(tokens: int, buckets) -> int:
+    """The smallest capacity bucket ≥ tokens."""
+    for b in buckets:
+        if b >= tokens:
+            return int(b)
+    raise ValueError(f"{tokens} tokens exceed the largest capacity bucket {buckets[-1]}")
+
+
+def token_sps_table(sps_at_buckets, buckets) -> np.ndarray:
+    """Per-token SPS (index = tokens in the pass) from the per-bucket table."""
+    return np.asarray(bucket_sps(sps_at_buckets, buckets, int(buckets[-1])))
+
+
+def host_lengths(spec: SchedulerSpec, conf: np.ndarray | None, active: np.ndarray, block_size: int,
+                 sps_table: np.ndarray) -> np.ndarray:
+    """ℓ per slot for the synchronous schedulers (none, fixed, threshold, dspark-sync); int32 [B]."""
+    B = active.shape[0]
+    if spec.kind == "none":
+        return np.zeros(B, np.int32)
+    if spec.kind == "fixed":
+        return np.where(active, min(spec.n, block_size), 0).astype(np.int32)
+    a = survival(jnp.asarray(conf))
+    if spec.kind == "threshold":
+        return np.asarray(threshold_lengths(a, spec.threshold, jnp.asarray(active)))
+    return np.asarray(prefix_schedule(a, jnp.asarray(sps_table), jnp.asarray(active)))
+
+
+def dspark_capacity(stale_conf: np.ndarray | None, active: np.ndarray, block_size: int,
+                    sps_table: np.ndarray) -> int:
+    """K (total draft tokens of the next pass) from stale confidences [B, L] by the global search over SPS.
+    Without history yet (the first steps) the survival is taken as 1 for every draft token; slots whose
+    stale row belonged to another request are treated the same way."""
+    conf = np.ones((active.shape[0], block_size), np.float32) if stale_conf is None else stale_conf
+    return int(capacity_search(survival(jnp.asarray(conf)), jnp.asarray(sps_table), jnp.asarray(active)))

@@ -1,0 +1,70 @@
+"""The contract between the HTTP layer (serve/server.py) and the engine (serve/engine.py).
+
+The server validates OpenAI requests, tokenizes, and submits one `EngineRequest` per choice (n > 1 gives n
+requests with seeds seed, seed+1, …). The engine runs in its own thread and reports tokens through the
+request's `on_output` callback, from that thread; the server bridges them into asyncio. Stop *strings* are
+the server's job (it detokenizes incrementally, truncates, and calls `abort`); stop *token ids* (EOS and
+`stop_token_ids`) and `max_tokens` are the engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling: temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """New tokens of one request since its last report. `finish_reason` is set exactly once, on the last
+    report: "stop" (EOS or a stop token id; the stop token is not included), "length" (max_tokens or the
+    model's context) or "abort" (cancelled or failed; then `error` may hold a message)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None]
+
+
+class EngineLike(Protocol):
+    """What the server needs from an engine."""
+
+    model_name: str
+    max_model_len: int  # prompt + max_tokens must fit; the server answers 400 otherwise
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queues a request (thread-safe). Raises ValueError for a request it can never serve."""
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request (thread-safe, idempotent); its pages are freed at once. It gets a final
+        RequestOutput with finish_reason "abort" unless it already finished."""
+
+    def metrics(self) -> dict:
+        """Counters and gauges for /metrics: requests_total, requests_running, requests_waiting,
+        prompt_tokens_total, generation_tokens_total, steps_total, tokens_per_step (mean emitted per row-step =
+        τ), acceptance_per_position (list), verify_tokens_per_pass (mean), sps_table ({bucket: steps/s}),
+        free_pages, total_pages."""
+
+    def health(self) -> bool:
+        """True while the engine loop is alive."""

@@ -1,0 +1,233 @@
+"""The training pipeline end to end on a tiny target: YAML configs, the grain data pipeline, overfitting one
+batch, exact resume of a killed run, and the sharded step on a simulated 8-device mesh (train/*).
+
+The tiny random llama's embedding is scaled up so its next-token distributions are peaked (LM-like); the
+"prepared data" are its own samples written as ArrayRecord shards, exactly as `python -m train prepare` does.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_hf_model, target_from_hf
+
+import dspark_jax
+from train.config import TrainConfig, load_config
+from train.data import make_iterator, window_and_anchors
+from train.prepare import encode_record, write_shards
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
+
+
+def _tiny_target(tmp):
+    import torch
+
+    hf = make_hf_model("llama", tied=True)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(8.0)
+    return target_from_hf(hf, tmp)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    target = _tiny_target(tmp_path_factory.mktemp("llama"))
+    prompts = [list(np.random.default_rng(i).integers(3, 128, size=4 + i % 5)) for i in range(24)]
+    res = dspark_jax.generate(target, prompts, max_new_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
+    data = tmp_path_factory.mktemp("data")
+    recs = [encode_record(p + r, len(p), "chat") for p, r in zip(prompts, res.tokens, strict=True)]
+    write_shards(recs, str(data), num_shards=2, seed=0)
+    return target, str(data)
+
+
+def _cfg(data, out, **optim):
+    return load_config(None, [
+        f"data.path={data}", "data.seq_len=32", "data.anchors_per_seq=4", "data.batch_sequences=4",
+        "drafter.kind=dspark", "drafter.block_size=4", "drafter.overrides={num_layers: 1, markov_rank: 8}",
+        f"run.out_dir={out}", "run.log_every=1", "run.ckpt_every=3", "run.keep=5", "run.async_checkpoint=false",
+        *[f"optim.{k}={v}" for k, v in {"steps": 9, "lr": 3e-3, "warmup": 2, **optim}.items()]])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_yaml_config_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainConfig) and cfg.optim.steps > 0
+
+
+def test_config_rejects_unknown_keys_and_bad_types(tmp_path):
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config(None, ["optim.stepz=3"])
+    with pytest.raises(ValueError, match="expected int"):
+        load_config(None, ["optim.steps=many"])
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+    with pytest.raises(ValueError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_window_and_anchors_keep_targets_inside_the_response():
+    rng = np.random.default_rng(0)
+    for n, p in [(10, 3), (300, 20), (300, 280), (5, 1)]:
+        rec = {"tokens": np.arange(n, dtype=np.int32) + 1, "prompt_len": p}
+        for _ in range(50):
+            ex = window_and_anchors(rec, rng, 64, 8)
+            length, a = int(ex["lengths"]), ex["anchors"]
+            assert 3 <= length <= 64 and (a >= 1).all() and (a <= length - 2).all()
+            start = int(ex["tokens"][0]) - 1  # tokens are 1..n, so the window start is readable
+            assert (a + start >= min(p - 1, n - 2)).all()  # anchors in the response (its first token at p)
+
+
+def test_data_iterator_resumes_exactly(tiny):
+    _, data = tiny
+    kw = dict(seq_len=32, anchors_per_seq=4, batch_sequences=4, seed=3)
+    it = make_iterator(data, **kw)
+    for _ in range(5):
+        next(it)
+    state = it.get_state()
+    want = [next(it) for _ in range(4)]
+    it2 = make_iterator(data, **kw)
+    it2.set_state(state)
+    got = [next(it2) for _ in range(4)]
+    for w, g in zip(want, got, strict=True):
+        for k in w:
+            np.testing.assert_array_equal(w[k], g[k])
+
+
+def test_tiny_drafter_overfits_one_batch(tiny):
+    from train.distill import make_optimizer, make_train_step
+
+    target, data = tiny
+    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=4, num_layers=1, markov_rank=8)
+    batch = next(make_iterator(data, seq_len=32, anchors_per_seq=4, batch_sequences=4, seed=0))
+    tx = make_optimizer(3e-3, 150, warmup=5)
+    step = make_train_step(target, drafter, tx)
+    params = jax.tree.map(np.array, drafter.params)
+    params = jax.tree.map(jax.numpy.asarray, params)
+    opt = tx.init(params)
+    losses = []
+    for _ in range(150):
+        params, opt, m = step(params, opt, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.25 * losses[0], (losses[0], losses[-1])
+
+
+def test_killed_run_resumes_to_the_same_loss_curve(tiny, tmp_path):
+    from train.fit import fit
+
+    target, data = tiny
+    fit(_cfg(data, tmp_path / "straight"), target=target, progress=False)
+    fit(_cfg(data, tmp_path / "killed"), target=target, stop_after=5, progress=False)  # last checkpoint: 3
+    fit(_cfg(data, tmp_path / "killed"), target=target, progress=False)
+    read = lambda d: [json.loads(ln) for ln in open(d / "metrics.jsonl")]  # noqa: E731
+    straight, resumed = read(tmp_path / "straight"), read(tmp_path / "killed")
+    assert [r["step"] for r in resumed] == list(range(1, 10))
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight], rtol=1e-6)
+    assert straight[-1]["loss"] < straight[0]["loss"]
+    loaded = dspark_jax.load_drafter(str(tmp_path / "killed" / "drafter"), target)
+    assert loaded.config.block_size == 4
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, jax
+    sys.path.insert(0, {tests!r})
+    from flax import nnx
+    from test_train_pipeline import _tiny_target
+    import dspark_jax
+    from train.data import make_iterator
+    from train.distill import make_optimizer, make_train_step
+    from train.sharding import make_train_mesh, put_batch, train_shardings
+    assert jax.device_count() == 8
+    target = _tiny_target({tmp!r})
+    drafter = dspark_jax.init_drafter(target, kind={kind!r}, block_size=4, num_layers=1)
+    batch = next(make_iterator({data!r}, seq_len=32, anchors_per_seq=2, batch_sequences=8, seed=0))
+    tx = make_optimizer(1e-3, 10, warmup=1)
+    out = []
+    for shape in [(1, 1, 1), (2, 2, 2)]:
+        mesh = make_train_mesh(*shape)
+        params, tparams = nnx.to_pure_dict(drafter.params), nnx.to_pure_dict(target.params)
+        opt = tx.init(params)
+        sh = train_shardings(mesh, params, opt, tparams)
+        params, opt, tparams = jax.device_put(params, sh.params), jax.device_put(opt, sh.opt), \\
+            jax.device_put(tparams, sh.target)
+        step = make_train_step(target, drafter, tx, shardings=sh, tparams=tparams)
+        losses = []
+        for _ in range(3):
+            params, opt, m = step(params, opt, put_batch(batch, sh.batch))
+            losses.append(float(m["loss"]))
+        if shape[1] > 1:
+            assert "fsdp" in str(params["layers"][0]["mlp"]["up"].sharding.spec)
+        out.append(losses)
+    np.save({out!r}, np.array(out))
+""")
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_sharded_step_on_eight_devices_matches_one(tiny, tmp_path, kind):
+    _, data = tiny
+    out = tmp_path / "losses.npy"
+    code = MESH_SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path / "m"), data=data, out=str(out),
+                              kind=kind)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single, meshed = np.load(out)
+    np.testing.assert_allclose(meshed, single, rtol=2e-5)
+
+
+def test_qwen3_8b_pod_config_train_step_eval_shape():
+    """The pod config's full-size train step (Qwen3-8B target, 5-layer DSpark drafter) traces and its shardings
+    divide on the configured mesh, without allocating or having the devices."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import AbstractMesh, PartitionSpec
+
+    from dspark_jax.config import ModelConfig
+    from dspark_jax.drafter_config import DrafterConfig
+    from dspark_jax.drafter_model import DrafterModel
+    from dspark_jax.model import Decoder
+    from train.distill import _loss, make_optimizer
+    from train.losses import LossWeights
+    from train.sharding import AXES, tree_specs
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3_8b_tpu_v5p64.yaml"))
+    tcfg = ModelConfig.from_hf(cfg.target.hf_config)
+    dcfg = DrafterConfig.for_target(tcfg, kind=cfg.drafter.kind, block_size=cfg.drafter.block_size,
+                                    **cfg.drafter.overrides)
+    tg, tp = nnx.split(nnx.eval_shape(lambda: Decoder(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    dg, dp = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+    dp, tp = nnx.to_pure_dict(dp), nnx.to_pure_dict(tp)
+    tx = make_optimizer(cfg.optim.lr, cfg.optim.steps, cfg.optim.warmup)
+    opt = jax.eval_shape(tx.init, dp)
+    d = cfg.data
+    per_step = d.batch_sequences // cfg.mesh.data // cfg.mesh.fsdp  # rows per data shard; a small probe batch
+    S, T, A = per_step, 256, 4  # traced shapes only; the full 256×2048 batch has the same code path
+    batch = {"tokens": jax.ShapeDtypeStruct((S, T), jnp.int32), "lengths": jax.ShapeDtypeStruct((S,), jnp.int32),
+             "anchors": jax.ShapeDtypeStruct((S, A), jnp.int32)}
+
+    def step(dparams, opt_state, tparams, b):
+        (_, m), g = jax.value_and_grad(_loss, has_aux=True)(dparams, tparams, b, dgraph=dg, tgraph=tg, tied=False,
+                                                             weights=LossWeights())
+        updates, opt_state = tx.update(g, opt_state, dparams)
+        return updates, opt_state, m
+
+    updates, _, metrics = jax.eval_shape(step, dp, opt, tp, batch)
+    assert metrics["acceptance"].shape == (dcfg.block_size,)
+    assert jax.tree.structure(updates) == jax.tree.structure(dp)
+    n_target = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tp))
+    assert 8.0e9 < n_target < 8.4e9
+    mesh = AbstractMesh((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), AXES)
+    shape = dict(mesh.shape)
+    for tree in (dp, opt, tp):
+        specs = jax.tree.leaves(tree_specs(tree, shape), is_leaf=lambda s: isinstance(s, PartitionSpec))
+        for x, spec in zip(jax.tree.leaves(tree), specs, strict=True):
+            for dim, ax in zip(x.shape, tuple(spec) + (None,) * (len(x.shape) - len(spec)), strict=True):
+                assert ax is None or dim % shape[ax] == 0
+    # The big matrices really are split: the drafter's MLP over fsdp, the target's embedding over fsdp.
+    assert "fsdp" in tuple(tree_specs(dp, shape)["layers"][0]["mlp"]["up"])
+    assert "fsdp" in tuple(tree_specs(tp, shape)["embed"])

@@ -1,0 +1,107 @@
+"""`python -m train {prepare,fit,calibrate,eval}`: the drafter training pipeline, one subcommand per stage.
+
+  prepare    regenerate responses to real training prompts with the target → ArrayRecord shards
+  fit        distil a drafter from a YAML config (configs/*.yaml) with --set overrides; resumes from its out_dir
+  calibrate  sequential temperature scaling of a DSpark drafter's confidence head on held-out data
+  eval       τ per domain and position-wise conditional acceptance (paper Fig. 2) for a set of drafters
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _prepare(args) -> None:
+    from train.prepare import prepare
+
+    per_domain = {"chat": args.chat, "code": args.code, "math": args.math}
+    meta = prepare(args.out, target_spec=args.target, per_domain={k: v for k, v in per_domain.items() if v > 0},
+                   max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                   batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
+                   num_shards=args.shards, seed=args.seed)
+    print(json.dumps(meta, indent=2))
+
+
+def _fit(args) -> None:
+    from train.config import load_config
+    from train.fit import fit
+
+    cfg = load_config(args.config, args.set or [])
+    fit(cfg, export=args.export)
+
+
+def _calibrate(args) -> None:
+    from train.evaluate import calibrate_cli
+
+    calibrate_cli(args)
+
+
+def _eval(args) -> None:
+    from train.evaluate import eval_cli
+
+    eval_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pr = sub.add_parser("prepare", help="regenerate training responses with the target")
+    pr.add_argument("--out", default="data/smollm2", help="output directory for shards and metadata.json")
+    pr.add_argument("--target", default="smollm2-135m-instruct", help="target name, HF directory or .gguf file")
+    pr.add_argument("--chat", type=int, default=480, help="ShareGPT training prompts")
+    pr.add_argument("--code", type=int, default=240, help="code training prompts")
+    pr.add_argument("--math", type=int, default=240, help="GSM-style math training prompts")
+    pr.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer chat-templated prompts")
+    pr.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
+    pr.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    pr.add_argument("--temperature", type=float, default=0.2, help="SmolLM2's recommended sampling: 0.2")
+    pr.add_argument("--top-p", type=float, default=0.9, help="SmolLM2's recommended sampling: 0.9")
+    pr.add_argument("--shards", type=int, default=4, help="number of ArrayRecord files")
+    pr.add_argument("--seed", type=int, default=0, help="prompt selection and sampling seed")
+    pr.set_defaults(func=_prepare)
+
+    f = sub.add_parser("fit", help="distil a drafter (resumes from the run directory)")
+    f.add_argument("--config", default=None, help="YAML config (configs/*.yaml); defaults otherwise")
+    f.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. optim.steps=10")
+    f.add_argument("--export", default=None, help="also save the final drafter (bf16) to this directory")
+    f.set_defaults(func=_fit)
+
+    c = sub.add_parser("calibrate", help="sequential temperature scaling of the confidence head")
+    c.add_argument("--drafter", required=True, help="drafter directory or name; calibrated in place unless --out")
+    c.add_argument("--out", default=None, help="write the calibrated drafter here instead")
+    c.add_argument("--target", default="smollm2-135m-instruct")
+    c.add_argument("--prompts", type=int, default=24, help="held-out prompts per domain (half fit, half test)")
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--report", default=None, help="directory for calibration.json and reliability.png")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=_calibrate)
+
+    e = sub.add_parser("eval", help="τ per domain and conditional acceptance at T=1, fixed block")
+    e.add_argument("--drafters", nargs="+", required=True, help="drafter directories or names")
+    e.add_argument("--target", default="smollm2-135m-instruct")
+    e.add_argument("--prompts", type=int, default=16, help="held-out prompts per domain")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--temperature", type=float, default=1.0)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--out", default="reports/eval", help="directory for eval.json and the PNG curves")
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(func=_eval)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Training configuration: frozen, keyword-only dataclasses composed into `TrainConfig`, loaded from YAML
+(`configs/*.yaml`) with dotted overrides (`--set optim.steps=10`). Unknown keys are errors.
+
+  target  — which frozen target to distil from (a name, HF directory or .gguf) and its dtype.
+  drafter — DrafterConfig overrides (kind, block_size, num_layers, markov_rank, …) on top of the target's defaults.
+  data    — prepared ArrayRecord shards, window length T, anchors per sequence A, sequences per batch.
+  optim   — AdamW with linear warmup then cosine decay, global-norm clipping.
+  mesh    — (data, fsdp, tensor) device mesh; 1×1×1 on one CPU; `distributed` calls jax.distributed.initialize().
+  run     — output directory, checkpoint cadence and retention, logging cadence, seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetSection:
+    spec: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    # For configs validated with jax.eval_shape only: an HF config.json dict instead of loading weights.
+    hf_config: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterSection:
+    kind: str = "dspark"
+    block_size: int = 7
+    overrides: dict = dataclasses.field(default_factory=dict)  # any other DrafterConfig field
+    init_seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+    path: str = "data/smollm2"  # directory written by `python -m train prepare`
+    seq_len: int = 256  # T: sequences are cropped (random window) or padded to this
+    anchors_per_seq: int = 8  # A
+    batch_sequences: int = 8  # S sequences per global batch (S·A (sequence, anchor) rows)
+    worker_count: int = 0  # grain worker processes (0 = in-process)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    steps: int = 1000
+    lr: float = 1e-3
+    warmup: int = 100
+    end_lr_ratio: float = 0.1
+    clip: float = 1.0
+    weight_decay: float = 0.01
+    # Loss weights (eq. 12); None = the drafter kind's recipe (DSpark 0.1/0.9/1.0; DFlash, EAGLE-3 plain CE).
+    loss: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSection:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    distributed: bool = False  # multi-host pods: jax.distributed.initialize() before anything else
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSection:
+    out_dir: str = "runs/dspark"
+    seed: int = 0
+    log_every: int = 10
+    ckpt_every: int = 100
+    keep: int = 3
+    async_checkpoint: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    target: TargetSection = TargetSection()
+    drafter: DrafterSection = DrafterSection()
+    data: DataSection = DataSection()
+    optim: OptimSection = OptimSection()
+    mesh: MeshSection = MeshSection()
+    run: RunSection = RunSection()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _build(cls, d: dict, where: str):
+    if not isinstance(d, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"{where or 'config'}: unknown keys {unknown}; known: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for name, value in d.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kw[name] = _build(hint, value, f"{where}.{name}".lstrip("."))
+        else:
+            kw[name] = _coerce(value, hint, f"{where}.{name}".lstrip("."))
+    return cls(**kw)
+
+
+def _coerce(value, hint, where: str):
+    """YAML scalars into the field's type; a mismatch is an error, not a silent conversion."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    base = typing.get_origin(hint) or hint
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: expected {getattr(base, '__name__', base)}, got {value!r}")
+    return value
+
+
+def _set_dotted(d: dict, key: str, value) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ValueError(f"--set {key}: {p} is not a section")
+    d[parts[-1]] = value
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """TrainConfig from an optional YAML file plus `key.sub=value` overrides (values parsed as YAML)."""
+    raw: dict = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ValueError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"config {path} is not valid YAML: {e}") from None
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set expects key.sub=value, got {item!r}")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value))
+    return _build(TrainConfig, raw, "")

@@ -1,0 +1,139 @@
+"""A checkpointed, resumable distillation run (`python -m train fit`).
+
+State per step: drafter parameters and AdamW state (pure dicts on the mesh) plus the grain iterator position.
+An orbax CheckpointManager saves all three every `ckpt_every` steps (async, keep-N); a restarted run restores
+the latest and continues with the same batches in the same order, so the loss curve is the uninterrupted one.
+Metrics go to stdout (tqdm) and `metrics.jsonl` (one line per logged step; a resumed run rewrites lines from
+its restart step on). At the end the drafter is saved to `out_dir/drafter` (and, with --export, as bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from train.config import TrainConfig
+from train.data import make_iterator
+from train.distill import make_optimizer, make_train_step
+from train.losses import LossWeights
+from train.sharding import make_train_mesh, put_batch, train_shardings
+
+
+def build(cfg: TrainConfig, target=None):
+    """(target, initial drafter) for a config; the target is loaded unless given."""
+    from dspark_jax.drafter import init_drafter
+    from dspark_jax.target import load_target
+
+    target = load_target(cfg.target.spec, cfg.target.dtype) if target is None else target
+    drafter = init_drafter(target, kind=cfg.drafter.kind, seed=cfg.drafter.init_seed,
+                           block_size=cfg.drafter.block_size, **cfg.drafter.overrides)
+    return target, drafter
+
+
+def _host(metrics) -> dict:
+    out = {}
+    for k, v in jax.device_get(metrics).items():
+        v = np.asarray(v)
+        out[k] = float(v) if v.ndim == 0 else [round(float(x), 5) for x in v]
+    return out
+
+
+def _rewrite_log(path: str, upto_step: int) -> None:
+    """Keeps only log lines of steps < upto_step (a resumed run re-logs the rest)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < upto_step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after: int | None = None,
+        progress: bool = True):
+    """Runs (or resumes) a training run. `stop_after` ends the process's work early (tests: a killed run).
+
+    Returns the trained `Drafter`.
+    """
+    import grain
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    if cfg.mesh.distributed:
+        jax.distributed.initialize()
+    target, drafter = build(cfg, target)
+    out_dir = os.path.abspath(cfg.run.out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "train_config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+
+    mesh = make_train_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    o = cfg.optim
+    tx = make_optimizer(o.lr, o.steps, o.warmup, o.clip, o.weight_decay, o.end_lr_ratio)
+    params = nnx.to_pure_dict(drafter.params)
+    tparams = nnx.to_pure_dict(target.params)
+    opt_state = tx.init(params)
+    sh = train_shardings(mesh, params, opt_state, tparams)
+    params, opt_state = jax.device_put(params, sh.params), jax.device_put(opt_state, sh.opt)
+    tparams = jax.device_put(tparams, sh.target)
+    weights = LossWeights(**o.loss) if o.loss else None
+    step_fn = make_train_step(target, drafter, tx, weights, shardings=sh, tparams=tparams)
+
+    d = cfg.data
+    it = make_iterator(d.path, seq_len=d.seq_len, anchors_per_seq=d.anchors_per_seq,
+                       batch_sequences=d.batch_sequences, seed=cfg.run.seed,
+                       process_index=jax.process_index(), process_count=jax.process_count())
+    mngr = ocp.CheckpointManager(
+        os.path.join(out_dir, "checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep, save_interval_steps=cfg.run.ckpt_every,
+                                             enable_async_checkpointing=cfg.run.async_checkpoint))
+    start = 0
+    if mngr.latest_step() is not None:
+        start = mngr.latest_step()
+        restored = mngr.restore(start, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(params), opt=ocp.args.StandardRestore(opt_state),
+            data=grain.checkpoint.CheckpointRestore(it)))
+        params, opt_state = restored["params"], restored["opt"]
+        print(f"resumed from step {start} in {out_dir}", flush=True)
+    log_path = os.path.join(out_dir, "metrics.jsonl")
+    _rewrite_log(log_path, start)
+
+    end = o.steps if stop_after is None else min(o.steps, stop_after)
+    bar = tqdm(range(start, end), initial=start, total=o.steps, desc=f"fit {cfg.drafter.kind}", disable=not progress)
+    t0 = time.perf_counter()
+    with open(log_path, "a") as log:
+        for step in bar:
+            batch = put_batch(next(it), sh.batch)
+            params, opt_state, metrics = step_fn(params, opt_state, batch)
+            done = step + 1
+            if done % cfg.run.log_every == 0 or done == o.steps:
+                rec = {"step": done, **_host(metrics), "elapsed_s": round(time.perf_counter() - t0, 1)}
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{np.mean(rec['acceptance']):.3f}")
+            mngr.save(done, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
+                data=grain.checkpoint.CheckpointSave(it)), force=done == o.steps)
+    mngr.wait_until_finished()
+    mngr.close()
+    trained = drafter.with_params(_to_state(drafter, params))
+    if end == o.steps and jax.process_index() == 0:
+        trained.save(os.path.join(out_dir, "drafter"))
+        if export:
+            trained.save(export, dtype="bfloat16")
+    return trained
+
+
+def _to_state(drafter, pure):
+    """Pure-dict parameters back into the drafter's nnx.State (on the default device)."""
+    state = jax.tree.map(lambda x: x, drafter.params)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(jax.device_get(x)), pure))
+    return state
+
+
+__all__ = ["build", "fit"]

@@ -1,0 +1,170 @@
+"""Figures for drafter evaluation and training, as matplotlib (Agg) PNG writers that take plain dicts.
+
+Inputs are the JSON-shaped results the evaluation and training scripts write, so a figure can be redrawn
+from saved results without a model:
+  plot_tau                    — τ (emitted tokens per round) per domain and drafter, grouped bars + macro average;
+  plot_conditional_acceptance — c_k per draft position (paper Fig. 2), one panel per domain if given;
+  plot_loss_curves            — training loss (and acceptance, when logged) against step, from JSONL records;
+  plot_throughput             — total and per-user tokens/s against concurrency, per scheduler.
+Every function returns the path it wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+def _pyplot():
+    # Import lazily and force the file-only backend: these run on headless machines and inside tests.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_tau(results: Mapping[str, Mapping[str, float]], path, title: str = "Accepted length τ per domain"):
+    """Grouped bars: one group per domain plus a macro average ("avg"), one bar per drafter.
+
+    Args:
+      results: {drafter name: {domain: τ}}. A drafter missing a domain gets no bar there, and its average is
+        over the domains it has.
+      path: output PNG path.
+      title: axes title.
+
+    Returns:
+      path.
+    """
+    if not results:
+        raise ValueError("results is empty")
+    plt = _pyplot()
+    domains = list(dict.fromkeys(d for per_domain in results.values() for d in per_domain))
+    groups = [*domains, "avg"]
+    width = 0.8 / len(results)
+    x = np.arange(len(groups))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) + 2), 4))
+    for i, (name, per_domain) in enumerate(results.items()):
+        values = [per_domain.get(d, np.nan) for d in domains]
+        values.append(float(np.nanmean(values)) if per_domain else np.nan)
+        bars = ax.bar(x + (i - (len(results) - 1) / 2) * width, values, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.set_xticks(x, groups)
+    ax.set(ylabel="τ (tokens per round)", title=title)
+    ax.legend()
+    return _save(fig, path)
+
+
+def _acceptance_lines(ax, curves: Mapping[str, Sequence[float]], title: str):
+    for name, values in curves.items():
+        ax.plot(np.arange(1, len(values) + 1), values, marker="o", label=name)
+    ax.set(xlabel="draft position k", ylabel="conditional acceptance c_k", title=title)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+
+
+def plot_conditional_acceptance(results: Mapping[str, Sequence[float] | Mapping[str, Sequence[float]]], path,
+                                title: str = "Position-wise conditional acceptance"):
+    """Lines of c_k = P(x_k accepted | x_1..x_{k−1} accepted) against draft position k (paper Fig. 2).
+
+    Args:
+      results: either {drafter name: [c_1, ..., c_L]} (one panel), or {drafter name: {domain: [c_1, ...]}}
+        (one panel per domain, sharing the y axis).
+      path: output PNG path.
+      title: figure title.
+
+    Returns:
+      path.
+    """
+    if not results:
+        raise ValueError("results is empty")
+    plt = _pyplot()
+    per_domain = [isinstance(v, Mapping) for v in results.values()]
+    if any(per_domain) and not all(per_domain):
+        raise ValueError("results must map every drafter to a list, or every drafter to {domain: list}")
+    if not all(per_domain):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        _acceptance_lines(ax, results, title)
+        ax.legend()
+        return _save(fig, path)
+    domains = list(dict.fromkeys(d for curves in results.values() for d in curves))
+    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 4), sharey=True, squeeze=False)
+    for ax, domain in zip(axes[0], domains, strict=True):
+        _acceptance_lines(ax, {name: curves[domain] for name, curves in results.items() if domain in curves}, domain)
+    axes[0][0].legend()
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_loss_curves(runs: Mapping[str, Sequence[Mapping]], path, title: str = "Training"):
+    """Loss against step per run, plus a second panel of acceptance when any record logs it.
+
+    Args:
+      runs: {run name: JSONL records}, each a dict with "step" and "loss" and optionally "acceptance" (mean
+        conditional acceptance, a float). Records without a key are skipped for that curve (e.g. eval lines).
+      path: output PNG path.
+      title: figure title.
+
+    Returns:
+      path.
+    """
+    if not runs:
+        raise ValueError("runs is empty")
+    plt = _pyplot()
+    keys = ["loss"] + (["acceptance"] if any("acceptance" in r for recs in runs.values() for r in recs) else [])
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for name, records in runs.items():
+            points = [(r["step"], float(np.mean(r[key]))) for r in records if "step" in r and key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), label=name)
+        ax.set(xlabel="step", ylabel=key, title=key)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if keys[0] == "loss" and all(r["loss"] > 0 for recs in runs.values() for r in recs if "loss" in r):
+        axes[0][0].set_yscale("log")  # losses fall over orders of magnitude; log only when it is defined
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_throughput(results: Mapping[str, Mapping[int | str, Mapping[str, float]]], path,
+                    title: str = "Serving throughput"):
+    """Two panels against concurrency (log2 x axis): total tokens/s and per-user tokens/s, one line per scheduler.
+
+    Args:
+      results: {scheduler: {concurrency: {"total_tps": float, "per_user_tps": float}}}; concurrency keys may be
+        ints or their strings (as read back from JSON).
+      path: output PNG path.
+      title: figure title.
+
+    Returns:
+      path.
+    """
+    if not results:
+        raise ValueError("results is empty")
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "total_tps", "total tokens/s"), (axes[1], "per_user_tps", "per-user tokens/s")):
+        for name, by_conc in results.items():
+            points = sorted((int(c), float(v[key])) for c, v in by_conc.items())
+            if not points:
+                continue
+            ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 2, 4, … not 2^k
+        ax.set(xlabel="concurrency", ylabel=label, title=label)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.suptitle(title)
+    return _save(fig, path)
