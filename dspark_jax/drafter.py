@@ -193,14 +193,40 @@ def init_drafter(target, kind: str = "dspark", seed: int = 0, block_size: int = 
     return Drafter(cfg, DrafterModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(seed)))
 
 
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters")
+
+
+def shipped_drafters() -> list[str]:
+    """Names of the drafters shipped with the package, e.g. "smollm2-135m-instruct/dspark"."""
+    if not os.path.isdir(SHIPPED_DIR):
+        return []
+    return sorted(f"{t}/{k}" for t in os.listdir(SHIPPED_DIR) if os.path.isdir(os.path.join(SHIPPED_DIR, t))
+                  for k in os.listdir(os.path.join(SHIPPED_DIR, t))
+                  if os.path.isfile(os.path.join(SHIPPED_DIR, t, k, CONFIG_FILE)))
+
+
+def resolve_drafter(spec: str) -> str:
+    """A drafter directory, or the name of a shipped one ("<target>/<kind>") → its directory."""
+    if os.path.isdir(spec):
+        return spec
+    if spec in shipped_drafters():
+        return os.path.join(SHIPPED_DIR, *spec.split("/"))
+    known = ", ".join(shipped_drafters()) or "none"
+    raise ValueError(f"not a drafter checkpoint: {spec!r} is neither a directory nor a shipped drafter "
+                     f"(shipped: {known})")
+
+
 def load_drafter(path: str, target) -> Drafter:
-    """Loads a drafter saved by `Drafter.save` and checks it was made for `target`.
+    """Loads a drafter saved by `Drafter.save` (a directory, or a shipped name such as
+    "smollm2-135m-instruct/dspark") and checks it was made for `target`. Parameters are cast to the target's
+    dtype.
 
     Raises:
         ValueError with a one-line message for a missing, corrupt or mismatched checkpoint.
     """
     import orbax.checkpoint as ocp
 
+    path = resolve_drafter(path)
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(cfg_path):
         raise ValueError(f"not a drafter checkpoint: {cfg_path} does not exist")

@@ -131,8 +131,12 @@ def drafter_prefill(dgraph, dparams, tparams, dcache, feats, tokens, lengths, *,
 
 
 def generate_speculative(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p,
-                         seed, ignore_eos, on_tokens=None, kernels="auto") -> GenerateResult:
-    """Speculative decoding of a batch of prompts. See `dspark_jax.generate`."""
+                         seed, ignore_eos, on_tokens=None, kernels="auto", on_round=None) -> GenerateResult:
+    """Speculative decoding of a batch of prompts. See `dspark_jax.generate`.
+
+    on_round: optional callback(live bool [B], lengths [B], num_accepted [B], confidence [B, L]) after every
+        round (host arrays), e.g. to collect calibration data.
+    """
     drafter.check_target(target)
     dcfg = drafter.config
     L = dcfg.block_size
@@ -167,11 +171,13 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
     while not track.done.all():
         rnd += 1
         live = ~track.done
-        tcache, dcache, anchor, emitted, num_emitted, lengths, m, _ = spec_step(
+        tcache, dcache, anchor, emitted, num_emitted, lengths, m, conf = spec_step(
             target.graphdef, target.params, drafter.graphdef, drafter.params, tcache, dcache, anchor, keys, rnd,
             temp, tk, tp, dcfg=dcfg, policy=policy, tied=tied, kernels=kernels)
         emitted, num_emitted = np.asarray(emitted), np.asarray(num_emitted)
         lengths, m = np.asarray(lengths), np.asarray(m)
+        if on_round is not None:
+            on_round(live, lengths, m, np.asarray(conf))
         for b in np.flatnonzero(live):
             taken = track.push(b, emitted[b, : num_emitted[b]])
             if taken and on_tokens is not None:

@@ -49,7 +49,7 @@ def tiny(tmp_path_factory):
 
 def _cfg(data, out, **optim):
     return load_config(None, [
-        f"data.path={data}", "data.seq_len=32", "data.anchors_per_seq=4", "data.batch_sequences=4",
+        f"data.path={data}", "data.seq_len=32", "data.anchors_per_seq=4", "data.batch_sequences=4", "data.features=false",
         "drafter.kind=dspark", "drafter.block_size=4", "drafter.overrides={num_layers: 1, markov_rank: 8}",
         f"run.out_dir={out}", "run.log_every=1", "run.ckpt_every=3", "run.keep=5", "run.async_checkpoint=false",
         *[f"optim.{k}={v}" for k, v in {"steps": 9, "lr": 3e-3, "warmup": 2, **optim}.items()]])
@@ -97,6 +97,26 @@ def test_data_iterator_resumes_exactly(tiny):
     for w, g in zip(want, got, strict=True):
         for k in w:
             np.testing.assert_array_equal(w[k], g[k])
+
+
+def test_precomputed_features_give_the_on_the_fly_loss(tiny):
+    """train/features.py stores the target's hidden states (bf16); the loss from them matches the loss with a
+    target forward inside the step to bf16 precision, batch for batch (same windows and anchors)."""
+    from train.distill import make_loss_fn
+    from train.features import featurize
+
+    target, data = tiny
+    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=4, num_layers=1, markov_rank=8, seed=2)
+    layers = drafter.config.target_layers
+    featurize(data, target, layers, progress=False)
+    kw = dict(seq_len=32, anchors_per_seq=4, batch_sequences=4, seed=5)
+    plain, pre = make_iterator(data, **kw), make_iterator(data, feature_layers=layers, **kw)
+    loss = make_loss_fn(target, drafter)
+    for _ in range(3):
+        a, b = next(plain), next(pre)
+        np.testing.assert_array_equal(a["anchors"], b["anchors"])
+        la, lb = float(loss(drafter.params, a)[0]), float(loss(drafter.params, b)[0])
+        assert abs(la - lb) < 2e-2 * abs(la), (la, lb)
 
 
 def test_tiny_drafter_overfits_one_batch(tiny):
@@ -150,7 +170,8 @@ MESH_SCRIPT = textwrap.dedent("""
     out = []
     for shape in [(1, 1, 1), (2, 2, 2)]:
         mesh = make_train_mesh(*shape)
-        params, tparams = nnx.to_pure_dict(drafter.params), nnx.to_pure_dict(target.params)
+        params = jax.tree.map(jax.numpy.array, nnx.to_pure_dict(drafter.params))  # copies: the step donates
+        tparams = nnx.to_pure_dict(target.params)
         opt = tx.init(params)
         sh = train_shardings(mesh, params, opt, tparams)
         params, opt, tparams = jax.device_put(params, sh.params), jax.device_put(opt, sh.opt), \\

@@ -1,6 +1,7 @@
 """`python -m train {prepare,fit,calibrate,eval}`: the drafter training pipeline, one subcommand per stage.
 
-  prepare    regenerate responses to real training prompts with the target → ArrayRecord shards
+  prepare    regenerate responses to real training prompts with the target → ArrayRecord shards, then
+             precompute the target features the drafters read (also alone: `features`)
   fit        distil a drafter from a YAML config (configs/*.yaml) with --set overrides; resumes from its out_dir
   calibrate  sequential temperature scaling of a DSpark drafter's confidence head on held-out data
   eval       τ per domain and position-wise conditional acceptance (paper Fig. 2) for a set of drafters
@@ -22,6 +23,18 @@ def _prepare(args) -> None:
                    batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
                    num_shards=args.shards, seed=args.seed)
     print(json.dumps(meta, indent=2))
+    if args.features:
+        _features(args)
+
+
+def _features(args) -> None:
+    from dspark_jax.drafter_config import default_target_layers
+    from dspark_jax.target import load_target
+    from train.features import featurize
+
+    target = load_target(args.target)
+    layers = tuple(args.layers) if args.layers else default_target_layers(target.config.num_layers)
+    print(f"features of target layers {list(layers)} → {featurize(args.out, target, layers)}")
 
 
 def _fit(args) -> None:
@@ -62,7 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--top-p", type=float, default=0.9, help="SmolLM2's recommended sampling: 0.9")
     pr.add_argument("--shards", type=int, default=4, help="number of ArrayRecord files")
     pr.add_argument("--seed", type=int, default=0, help="prompt selection and sampling seed")
+    pr.add_argument("--no-features", dest="features", action="store_false",
+                    help="skip precomputing the target features (then training runs the target each step)")
+    pr.add_argument("--layers", type=int, nargs="*", default=None,
+                    help="target layers to store features of (default: the drafters' low/mid/high layers)")
     pr.set_defaults(func=_prepare)
+
+    fe = sub.add_parser("features", help="precompute target features for prepared data")
+    fe.add_argument("--out", default="data/smollm2", help="the prepared data directory")
+    fe.add_argument("--target", default="smollm2-135m-instruct", help="target name, HF directory or .gguf file")
+    fe.add_argument("--layers", type=int, nargs="*", default=None,
+                    help="target layers (default: the drafters' low/mid/high layers)")
+    fe.set_defaults(func=_features)
 
     f = sub.add_parser("fit", help="distil a drafter (resumes from the run directory)")
     f.add_argument("--config", default=None, help="YAML config (configs/*.yaml); defaults otherwise")

@@ -41,6 +41,7 @@ class DataSection:
     anchors_per_seq: int = 8  # A
     batch_sequences: int = 8  # S sequences per global batch (S·A (sequence, anchor) rows)
     worker_count: int = 0  # grain worker processes (0 = in-process)
+    features: bool = True  # read precomputed target features (train/features.py) instead of a target forward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

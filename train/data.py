@@ -27,12 +27,14 @@ from train.prepare import RECORD_GLOB, decode_record
 def shard_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, RECORD_GLOB)))
     if not files:
-        raise ValueError(f"no prepared data in {path!r} (expected {RECORD_GLOB}); run `python -m train prepare`")
+        raise ValueError(f"no prepared data in {path!r} (expected {RECORD_GLOB}); run `python -m train prepare` "
+                         "(and `python -m train features` for precomputed target features)")
     return files
 
 
 def window_and_anchors(rec: dict, rng: np.random.Generator, seq_len: int, num_anchors: int) -> dict:
-    """One training example from a decoded record (see module docstring)."""
+    """One training example from a decoded record (see module docstring). Records with precomputed target
+    features (train/features.py) also give "feats" [T, m·D] and "hidden" [T, D] (f32, zero-padded)."""
     tokens, p = rec["tokens"], rec["prompt_len"]
     n_tok = len(tokens)
     # A window [start, start + T) that ends after the first response token and starts before the last one.
@@ -46,17 +48,33 @@ def window_and_anchors(rec: dict, rng: np.random.Generator, seq_len: int, num_an
     anchors = rng.integers(first, length - 1, size=num_anchors)
     out = np.zeros(seq_len, np.int32)
     out[:length] = win
-    return {"tokens": out, "lengths": np.int32(length), "anchors": anchors.astype(np.int32)}
+    ex = {"tokens": out, "lengths": np.int32(length), "anchors": anchors.astype(np.int32)}
+    for name in ("feats", "hidden"):
+        if name in rec:
+            x = np.zeros((seq_len, rec[name].shape[1]), np.float32)
+            x[:length] = rec[name][start : start + length]
+            ex[name] = x
+    return ex
 
 
 def make_dataset(path: str, *, seq_len: int, anchors_per_seq: int, batch_sequences: int, seed: int,
-                 process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
-    """An infinite, shuffled, batched MapDataset over the prepared shards (this process's slice)."""
+                 process_index: int = 0, process_count: int = 1, feature_layers: tuple[int, ...] | None = None
+                 ) -> grain.MapDataset:
+    """An infinite, shuffled, batched MapDataset over the prepared shards (this process's slice).
+    With `feature_layers`, reads the precomputed features of those target layers instead of bare tokens."""
     if batch_sequences % process_count:
         raise ValueError(f"batch_sequences={batch_sequences} must divide over {process_count} processes")
-    source = grain.sources.ArrayRecordDataSource(shard_files(path))
+    if feature_layers is not None:
+        from train import features
+
+        fdir = features.features_dir(path, feature_layers)
+        source = grain.sources.ArrayRecordDataSource(shard_files(fdir))
+        decode = features.decode
+    else:
+        source = grain.sources.ArrayRecordDataSource(shard_files(path))
+        decode = decode_record
     ds = grain.MapDataset.source(source)[process_index::process_count]
-    ds = ds.map(decode_record)  # prepare keeps only examples with >= 2 response tokens
+    ds = ds.map(decode)  # prepare keeps only examples with >= 2 response tokens
     ds = ds.shuffle(seed=seed).repeat(None)
     ds = ds.random_map(lambda r, rng: window_and_anchors(r, rng, seq_len, anchors_per_seq), seed=seed + 1)
     return ds.batch(batch_sequences // process_count, drop_remainder=True)

@@ -62,8 +62,11 @@ def _loss(dparams, tparams, batch, *, dgraph, tgraph, tied, weights):
     model = nnx.merge(dgraph, dparams)
     tokens = batch["tokens"]
     B, T = tokens.shape
-    hidden, _, feats = target(tokens, target.init_cache(B, T), hidden_layers=model.cfg.target_layers,
-                              compute_logits=False)
+    if "feats" in batch:  # precomputed (train/features.py)
+        hidden, feats = batch["hidden"].astype(jnp.float32), batch["feats"].astype(jnp.float32)
+    else:
+        hidden, _, feats = target(tokens, target.init_cache(B, T), hidden_layers=model.cfg.target_layers,
+                                  compute_logits=False)
     hidden, feats = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(feats)
     head = TargetHead.from_params(tparams, tied)
     return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], hidden, feats, weights)

@@ -3,8 +3,8 @@
 State per step: drafter parameters and AdamW state (pure dicts on the mesh) plus the grain iterator position.
 An orbax CheckpointManager saves all three every `ckpt_every` steps (async, keep-N); a restarted run restores
 the latest and continues with the same batches in the same order, so the loss curve is the uninterrupted one.
-Metrics go to stdout (tqdm) and `metrics.jsonl` (one line per logged step; a resumed run rewrites lines from
-its restart step on). At the end the drafter is saved to `out_dir/drafter` (and, with --export, as bf16).
+Metrics go to stdout (tqdm) and `metrics.jsonl` (one line per logged step; a resumed run rewrites the lines
+after its restored step). At the end the drafter is saved to `out_dir/drafter` (and, with --export, as bf16).
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ def _host(metrics) -> dict:
 
 
 def _rewrite_log(path: str, upto_step: int) -> None:
-    """Keeps only log lines of steps < upto_step (a resumed run re-logs the rest)."""
+    """Keeps only log lines of steps ≤ upto_step, the restored checkpoint (a resumed run re-logs the rest)."""
     if not os.path.exists(path):
         return
     with open(path) as f:
-        keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < upto_step]
+        keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= upto_step]
     with open(path, "w") as f:
         f.writelines(keep)
 
@@ -75,7 +75,7 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     mesh = make_train_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     o = cfg.optim
     tx = make_optimizer(o.lr, o.steps, o.warmup, o.clip, o.weight_decay, o.end_lr_ratio)
-    params = nnx.to_pure_dict(drafter.params)
+    params = jax.tree.map(jnp.array, nnx.to_pure_dict(drafter.params))  # a copy: the step donates it
     tparams = nnx.to_pure_dict(target.params)
     opt_state = tx.init(params)
     sh = train_shardings(mesh, params, opt_state, tparams)
@@ -87,7 +87,8 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     d = cfg.data
     it = make_iterator(d.path, seq_len=d.seq_len, anchors_per_seq=d.anchors_per_seq,
                        batch_sequences=d.batch_sequences, seed=cfg.run.seed,
-                       process_index=jax.process_index(), process_count=jax.process_count())
+                       process_index=jax.process_index(), process_count=jax.process_count(),
+                       feature_layers=drafter.config.target_layers if d.features else None)
     mngr = ocp.CheckpointManager(
         os.path.join(out_dir, "checkpoints"),
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep, save_interval_steps=cfg.run.ckpt_every,

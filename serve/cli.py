@@ -1,0 +1,164 @@
+"""`python -m dspark_jax.serve`: serve a target (with a DSpark drafter) behind an OpenAI-compatible HTTP API.
+
+Loads the engine (`serve.engine.create_engine`), which compiles its capacity buckets and profiles the SPS
+table at start-up, then serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics
+until Ctrl-C. Example:
+
+    python -m dspark_jax.serve --max-batch 32 --port 8000
+    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+      -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi!"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+SCHEDULERS = "none, fixed:N, threshold:X, dspark-sync, dspark"
+KERNELS = ("auto", "reference", "pallas")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """Bad flags: one `error:` line on stderr and exit 2 (argparse would add the usage first)."""
+        self.exit(2, f"error: {message}\n")
+
+
+def scheduler_spec(value: str) -> str:
+    """Validates a --scheduler value; returns it unchanged (the engine parses it)."""
+    # The same rules as serve.scheduler.SchedulerSpec.parse, which is not imported here: it pulls in JAX.
+    if value in ("none", "dspark-sync", "dspark"):
+        return value
+    kind, _, arg = value.partition(":")
+    try:
+        if kind == "fixed" and int(arg) >= 0:
+            return value
+        if kind == "threshold" and 0.0 <= float(arg) <= 1.0:
+            return value
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"invalid scheduler {value!r}; choose one of {SCHEDULERS} "
+                                     "(N an int >= 0, X a survival in [0, 1])")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
+    return n
+
+
+def _port(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value!r}")
+    return n
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(prog="python -m dspark_jax.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m-instruct",
+                   help="target model: a known name, a Hugging Face directory or a .gguf file (default: %(default)s)")
+    p.add_argument("--drafter", default="smollm2-135m-instruct/dspark",
+                   help="DSpark drafter checkpoint (directory or shipped name), or 'none' to decode with the target "
+                        "alone (default: %(default)s)")
+    p.add_argument("--scheduler", type=scheduler_spec, default=None,
+                   help=f"verification-length policy: {SCHEDULERS}. 'fixed:N' verifies N draft tokens (0: none), "
+                        "'threshold:X' the leading ones with survival >= X, 'dspark-sync' Algorithm 1 over the "
+                        "profiled SPS table, 'dspark' the deployed variant (§5.2: capacity from two-step-old "
+                        "confidence). "
+                        "Default: dspark, or none with --drafter none")
+    p.add_argument("--max-batch", type=_positive_int, default=16,
+                   help="most requests decoded together (default: %(default)s)")
+    p.add_argument("--max-model-len", type=_positive_int, default=2048,
+                   help="most tokens per request, prompt plus completion (default: %(default)s)")
+    p.add_argument("--page-size", type=_positive_int, default=16,
+                   help="tokens per KV-cache page (default: %(default)s)")
+    p.add_argument("--num-pages", type=_positive_int, default=None,
+                   help="KV pages in the pool (default: enough for max-batch requests of max-model-len; fewer "
+                        "pages serve more requests per GB and preempt when full)")
+    p.add_argument("--tensor-parallel", type=_positive_int, default=1,
+                   help="devices to shard the target and drafter over (heads, FFN, vocabulary; default: "
+                        "%(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 picks a free one (default: "
+                                                            "%(default)s)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="attention/sampling kernels: auto (Pallas on GPU/TPU), reference (plain jnp) or pallas "
+                        "(default: %(default)s)")
+    p.add_argument("--sps-out", default=None, metavar="PATH",
+                   help="write the SPS table profiled at start-up ({tokens per pass: steps/s}) to this JSON file")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.drafter == "none" and args.scheduler not in (None, "none", "fixed:0"):
+        p.error(f"--scheduler {args.scheduler} needs a drafter; drop it or pass --drafter")
+    if args.scheduler is None:
+        args.scheduler = "none" if args.drafter == "none" else "dspark"
+    return args
+
+
+def chat_template_of(engine):
+    """messages -> prompt ids: `engine.chat_template` if callable; a jinja string, or none (then the
+    tokenizer's own `chat_template`), is rendered with `ChatFormatter`."""
+    from serve.text import ChatFormatter, as_text_tokenizer
+
+    template = getattr(engine, "chat_template", None)
+    if callable(template):
+        return template
+    if isinstance(template, str):
+        return ChatFormatter(template, as_text_tokenizer(engine.tokenizer).encode)
+    return ChatFormatter.from_tokenizer(engine.tokenizer)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from serve.server import build_app, serve_forever
+
+    try:
+        from serve.engine import create_engine  # imported here: it pulls in JAX
+
+        engine = create_engine(target=args.target, drafter=None if args.drafter == "none" else args.drafter,
+                               scheduler=args.scheduler, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                               page_size=args.page_size, num_pages=args.num_pages, kernels=args.kernels,
+                               mesh_shape=(1, args.tensor_parallel), progress=True)
+    except ValueError as e:  # bad model spec, drafter/target mismatch, sizes the device cannot hold ...
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    try:
+        try:
+            app = build_app(engine, engine.tokenizer, chat_template=chat_template_of(engine))
+            if args.sps_out:
+                sps = engine.metrics().get("sps_table") or {}
+                with open(args.sps_out, "w") as f:
+                    json.dump({str(k): v for k, v in sps.items()}, f, indent=1)
+        except (ValueError, OSError) as e:  # no chat template, unwritable --sps-out
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+        def ready(url: str) -> None:
+            print(f"serving {engine.model_name} at {url}/v1 (health: {url}/health, metrics: {url}/metrics)",
+                  flush=True)
+
+        serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+    finally:
+        for name in ("close", "stop"):  # whichever the engine has: ends its thread
+            if callable(getattr(engine, name, None)):
+                getattr(engine, name)()
+                break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

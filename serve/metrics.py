@@ -1,0 +1,89 @@
+"""Prometheus metrics for `/metrics`: the engine's `metrics()` dict, read at scrape time, plus HTTP counts.
+
+Each app gets its own `CollectorRegistry` (several apps in one process, as in tests, do not collide).
+Names (all prefixed `dspark_`):
+
+  requests_total, prompt_tokens_total, generation_tokens_total, steps_total    counters
+  requests_running, requests_waiting                                              gauges (queue depth)
+  tokens_per_step                          τ: mean tokens emitted per request per target pass
+  acceptance_rate{position="k"}            acceptance of draft position k = 1..L
+  verify_tokens_per_pass                   mean tokens the target verifies per pass
+  sps{bucket="N"}                          profiled steps/s of a target pass over N tokens (the SPS table)
+  free_pages, total_pages                  KV-cache pages
+  engine_healthy                           1 while the engine loop is alive
+  http_requests_total{endpoint, status}    answered by this server
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "dspark_"
+log = logging.getLogger(__name__)
+
+# engine.metrics() key -> (metric name without prefix, help). Counter names drop "_total" (the client adds it).
+_COUNTERS = {
+    "requests_total": ("requests", "Requests the engine accepted."),
+    "prompt_tokens_total": ("prompt_tokens", "Prompt tokens prefilled."),
+    "generation_tokens_total": ("generation_tokens", "Tokens generated."),
+    "steps_total": ("steps", "Engine steps (target passes)."),
+}
+_GAUGES = {
+    "requests_running": ("requests_running", "Requests holding a batch slot."),
+    "requests_waiting": ("requests_waiting", "Requests queued for a slot."),
+    "tokens_per_step": ("tokens_per_step", "Mean tokens emitted per request per step (tau)."),
+    "verify_tokens_per_pass": ("verify_tokens_per_pass", "Mean tokens verified per target pass."),
+    "free_pages": ("free_pages", "Free KV-cache pages."),
+    "total_pages": ("total_pages", "All KV-cache pages."),
+}
+
+
+class EngineCollector:
+    """Reads `engine.metrics()` and `engine.health()` on every scrape."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        try:
+            healthy = bool(self.engine.health())
+        except Exception:  # a dead engine must not take /metrics down with it
+            healthy = False
+        yield GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine loop is alive.", value=int(healthy))
+        try:
+            m = dict(self.engine.metrics())
+        except Exception:
+            log.exception("engine.metrics() failed")
+            return
+        for key, (name, doc) in _COUNTERS.items():
+            if m.get(key) is not None:
+                yield CounterMetricFamily(PREFIX + name, doc, value=float(m[key]))
+        for key, (name, doc) in _GAUGES.items():
+            if m.get(key) is not None:
+                yield GaugeMetricFamily(PREFIX + name, doc, value=float(m[key]))
+        acc = GaugeMetricFamily(PREFIX + "acceptance_rate", "Acceptance rate of draft position k (1-based).",
+                                labels=["position"])
+        for k, a in enumerate(m.get("acceptance_per_position") or (), start=1):
+            acc.add_metric([str(k)], float(a))
+        yield acc
+        sps = GaugeMetricFamily(PREFIX + "sps", "Profiled target steps per second for a pass over N tokens.",
+                                labels=["bucket"])
+        for bucket, v in sorted((m.get("sps_table") or {}).items(), key=lambda kv: int(kv[0])):
+            sps.add_metric([str(bucket)], float(v))
+        yield sps
+
+
+class ServerMetrics:
+    """The app's registry: the engine collector plus counters kept by the HTTP layer."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine))
+        self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by endpoint and status.",
+                                     ["endpoint", "status"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,670 @@
+"""EngineCore and Engine (serve/engine.py) against a mock runner whose outputs can be computed by hand: continuous
+batching, chunked prefill, stops, aborts, preemption, the five schedulers and the metrics. No model, no jit.
+
+The mock world (vocabulary V):
+  target   the token after x is (x + 1) % V, so a prompt ending in x continues x+1, x+2, … whatever the
+           scheduler; every expected output below is `continuation(prompt, …)`.
+  drafter  request r's draft token k (k = 1..L) in round t is correct iff k ≤ accept(seed_r, t); a wrong draft
+           token is the correct one + WRONG. Confidences come from a table conf(pass, slot, seed, round).
+  verify   ℓ from the host (`lengths`) or by top-K fill of the current survival (`budget` K); accepted m = the
+           leading draft tokens among the ℓ verified that equal the target's token; emitted = the m accepted
+           + 1 (bonus or recovered) = anchor+1 … anchor+m+1.
+  cache    one token per (page, offset): prefill and verify write through the block tables, and every pass
+           reads each slot's context 0..n−1 back, so a wrong table, a shared page or a bad recompute shows up
+           as a context that differs from prompt + generated (`check_contexts`).
+Requests are told apart by their seed (the runner sees it in `keys[:, 1]`). Every call is recorded
+(`prefills`, `passes`, `events`) for the tests to assert on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from serve.engine import Engine, EngineCore, capacity_buckets
+from serve.runner import SlotBatch, StepResult
+from serve.types import EngineRequest, SamplingParams
+
+V = 1000
+WRONG = 500  # a wrong draft token is the correct one shifted by this much
+
+
+# ---- the mock runner ------------------------------------------------------------------------------------------
+def survival_np(conf: np.ndarray) -> np.ndarray:
+    """a_k = c_1⋯c_k, f32 [B, L] (numpy twin of dspark_jax.scheduling.survival)."""
+    return np.minimum.accumulate(np.cumprod(conf.astype(np.float32), axis=-1), axis=-1)
+
+
+def topk_fill_np(a: np.ndarray, k: int, active: np.ndarray) -> np.ndarray:
+    """ℓ [B]: the K highest-survival candidates (active, a > 0); ties by slot, then position (prefix-consistent)."""
+    B, L = a.shape
+    cands = [(r, j) for r in range(B) for j in range(L) if active[r] and a[r, j] > 0]
+    cands.sort(key=lambda rj: -a[rj])  # stable: equal survival keeps the r-major order
+    take, ell = set(cands[:k]), np.zeros(B, np.int32)
+    for r in range(B):
+        while ell[r] < L and (r, int(ell[r])) in take:
+            ell[r] += 1
+    return ell
+
+
+@dataclasses.dataclass
+class Prefill:
+    seed: int
+    start: int
+    tokens: list[int]
+    pages: list[int]
+
+
+@dataclasses.dataclass
+class Pass:
+    """One verification pass; per-request fields are keyed by seed."""
+
+    capacity: int
+    budget: int | None
+    lengths_arg: list[int] | None
+    host_drafted: bool  # the engine drafted (a host sync) before calling step
+    want_confidence: bool
+    slots: dict[int, int] = dataclasses.field(default_factory=dict)
+    n: dict[int, int] = dataclasses.field(default_factory=dict)
+    anchor: dict[int, int] = dataclasses.field(default_factory=dict)
+    ell: dict[int, int] = dataclasses.field(default_factory=dict)
+    m: dict[int, int] = dataclasses.field(default_factory=dict)
+    context: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def R(self) -> int:
+        return len(self.slots)
+
+
+class MockRunner:
+    """Exactly the runner surface EngineCore uses (serve/runner.py's host API), in numpy."""
+
+    def __init__(self, *, B, L, num_pages, page_size, max_pages, capacities, chunk_sizes, accept=None, conf=None,
+                 confidence_head=True, fail_at_pass=None):
+        self.B, self.L, self.page_size, self.max_pages = B, L, page_size, max_pages
+        self.capacities, self.chunk_sizes = tuple(capacities), tuple(chunk_sizes)
+        cfg = types.SimpleNamespace(confidence=confidence_head, kind="mock")
+        self.drafter = types.SimpleNamespace(config=cfg) if L else None
+        self.tkv = types.SimpleNamespace(num_pages=num_pages)
+        self.cache = np.full((num_pages, page_size), -1, np.int64)
+        self.accept = accept or (lambda seed, rnd: L)
+        self.conf = conf or (lambda t, slot, seed, rnd: np.full(L, 0.5, np.float32))
+        self.fail_at_pass = fail_at_pass
+        self.prefills: list[Prefill] = []
+        self.passes: list[Pass] = []
+        self.events: list[tuple] = []
+
+    def _at(self, row, pos: int) -> tuple[int, int]:
+        page = int(row[pos // self.page_size])
+        assert page != self.tkv.num_pages, f"position {pos} lies beyond the request's pages {list(row)}"
+        return page, pos % self.page_size
+
+    def _context(self, row, n: int) -> list[int]:
+        ctx = [int(self.cache[self._at(row, i)]) for i in range(n)]
+        assert -1 not in ctx, f"unwritten cache positions in the context {ctx}"
+        return ctx
+
+    def prefill(self, tokens, start, table_row, key, temperature, top_k, top_p) -> int:
+        assert 0 < len(tokens) <= self.chunk_sizes[-1], f"chunk of {len(tokens)} tokens"
+        assert len(table_row) == self.max_pages
+        self._context(table_row, start)  # the earlier chunks landed
+        for i, t in enumerate(tokens):
+            self.cache[self._at(table_row, start + i)] = t
+        seed = int(key[1])
+        pages = [int(p) for p in table_row if p != self.tkv.num_pages]
+        self.prefills.append(Prefill(seed, start, [int(t) for t in tokens], pages))
+        self.events.append(("prefill", seed, start, len(tokens)))
+        return (int(tokens[-1]) + 1) % V
+
+    def idle_batch(self) -> SlotBatch:
+        B, M = self.B, self.max_pages
+        return SlotBatch(active=np.zeros(B, bool), lengths=np.zeros(B, np.int32), anchors=np.zeros(B, np.int32),
+                         block_tables=np.full((B, M), self.tkv.num_pages, np.int32),
+                         temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
+                         keys=np.zeros((B, 2), np.uint32), rounds=np.zeros(B, np.int32))
+
+    def _device_batch(self, b: SlotBatch) -> dict:
+        return {"host": b}
+
+    def draft(self, b: SlotBatch, dev):
+        """(draft [B, L], q (unused), confidence [B, L]) for the pass about to run."""
+        t = len(self.passes)
+        draft = np.zeros((self.B, self.L), np.int32)
+        conf = np.full((self.B, self.L), 0.25, np.float32)  # idle rows: never read by a correct engine
+        k = np.arange(1, self.L + 1)
+        for s in np.flatnonzero(b.active):
+            seed, rnd, a = int(b.keys[s, 1]), int(b.rounds[s]), int(b.anchors[s])
+            draft[s] = (a + k + np.where(k <= self.accept(seed, rnd), 0, WRONG)) % V
+            conf[s] = self.conf(t, int(s), seed, rnd)
+        return draft, None, conf
+
+    def step(self, b: SlotBatch, *, capacity, lengths=None, budget=None, drafts=None, want_confidence=False):
+        if len(self.passes) == self.fail_at_pass:
+            raise RuntimeError("mock device error")
+        assert (lengths is None) != (budget is None), "exactly one of lengths and budget"
+        assert capacity in self.capacities, f"{capacity=} is not a bucket"
+        rec = Pass(capacity, None if budget is None else int(budget),
+                   None if lengths is None else [int(x) for x in lengths], drafts is not None, want_confidence)
+        draft, _, conf = drafts if drafts is not None else self.draft(b, None)
+        active = b.active.copy()
+        if budget is not None:
+            ell = topk_fill_np(survival_np(conf), int(budget), active)
+        else:
+            ell = np.where(active, lengths, 0).astype(np.int32)
+        assert ell.min() >= 0 and ell.max() <= self.L, ell
+        assert active.sum() + ell.sum() <= capacity, f"{active.sum()} + {ell.sum()} tokens overflow {capacity=}"
+        pages = [int(p) for s in np.flatnonzero(active) for p in b.block_tables[s] if p != self.tkv.num_pages]
+        assert len(pages) == len(set(pages)), f"two slots share a page: {b.block_tables[active]}"
+        emitted = np.full((self.B, self.L + 1), -1, np.int32)
+        num_emitted, num_accepted = np.zeros(self.B, np.int32), np.zeros(self.B, np.int32)
+        for s in np.flatnonzero(active):
+            seed, n, a, row = int(b.keys[s, 1]), int(b.lengths[s]), int(b.anchors[s]), b.block_tables[s]
+            ctx = self._context(row, n)
+            # The target predicts from its cache: the token before the anchor must be anchor − 1 here.
+            assert ctx[-1] == (a - 1) % V, f"cache position {n - 1} holds {ctx[-1]}, anchor is {a}"
+            block = [a] + [int(x) for x in draft[s, : ell[s]]]
+            for i, tok in enumerate(block):  # K/V of every verified position is written, accepted or not
+                self.cache[self._at(row, n + i)] = tok
+            m = 0
+            while m < ell[s] and block[m + 1] == (block[m] + 1) % V:
+                m += 1
+            emitted[s, : m + 1] = block[1 : m + 1] + [(block[m] + 1) % V]
+            num_emitted[s], num_accepted[s] = m + 1, m
+            rec.slots[seed], rec.n[seed], rec.anchor[seed] = int(s), n, a
+            rec.ell[seed], rec.m[seed], rec.context[seed] = int(ell[s]), m, ctx
+        self.passes.append(rec)
+        self.events.append(("pass", tuple(int(b.keys[s, 1]) for s in np.flatnonzero(active))))
+        confidence = conf.copy() if (want_confidence and self.L) else None
+        return StepResult(emitted, num_emitted, num_accepted, ell, confidence, capacity)
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+class Outputs:
+    """Thread-safe on_output sink; each output is stored with the engine step it arrived in."""
+
+    def __init__(self):
+        self.by_id: dict[str, list] = collections.defaultdict(list)
+        self.lock = threading.Lock()
+        self.step = 0
+
+    def __call__(self, out) -> None:
+        with self.lock:
+            self.by_id[out.request_id].append((self.step, out))
+
+    def chunks(self, rid: str) -> list[tuple[tuple[int, ...], str | None]]:
+        return [(o.token_ids, o.finish_reason) for _, o in self.by_id[rid]]
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for _, o in self.by_id[rid] for t in o.token_ids]
+
+    def finish(self, rid: str) -> str:
+        reasons = [o.finish_reason for _, o in self.by_id[rid]]
+        assert reasons and reasons[-1] is not None and all(r is None for r in reasons[:-1]), reasons
+        return reasons[-1]
+
+    def finish_step(self, rid: str) -> int:
+        return self.by_id[rid][-1][0]
+
+
+def continuation(prompt, max_tokens: int, stops=()) -> tuple[list[int], str]:
+    out, x = [], prompt[-1]
+    while len(out) < max_tokens:
+        x = (x + 1) % V
+        if x in stops:
+            return out, "stop"
+        out.append(x)
+    return out, "length"
+
+
+def make_core(scheduler, *, B=2, L=4, page_size=4, max_model_len=40, num_pages=None, chunk_sizes=(4, 8),
+              capacities=None, eos=(), sps=None, **runner_kw):
+    max_pages = -(-(max_model_len + L + 1) // page_size)
+    num_pages = num_pages or B * max_pages
+    runner = MockRunner(B=B, L=L, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+                        capacities=capacities or capacity_buckets(B, L), chunk_sizes=chunk_sizes, **runner_kw)
+    core = EngineCore(runner, scheduler=scheduler, max_batch=B, num_pages=num_pages, page_size=page_size,
+                      max_model_len=max_model_len, eos_token_ids=eos, sps=sps)
+    return core, runner
+
+
+def submit(core, outputs, rid, prompt, max_tokens, seed, **params) -> None:
+    p = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=seed, **params)
+    core.add_request(EngineRequest(request_id=rid, prompt_ids=list(prompt), params=p, on_output=outputs))
+
+
+def steps(core, outputs, n: int) -> None:
+    for _ in range(n):
+        core.step()
+        outputs.step += 1
+
+
+def drain(core, outputs, max_steps=400) -> None:
+    while core.has_work():
+        assert outputs.step < max_steps, "the engine did not finish"
+        steps(core, outputs, 1)
+
+
+def check_contexts(runner: MockRunner, full: dict[int, list[int]]) -> None:
+    """Every prefill chunk and every pass's cache context match the request's prompt + generated tokens."""
+    for p in runner.prefills:
+        assert p.tokens == full[p.seed][p.start : p.start + len(p.tokens)], p
+    for rec in runner.passes:
+        for seed, n in rec.n.items():
+            assert rec.context[seed] == full[seed][:n], (seed, n)
+            assert rec.anchor[seed] == full[seed][n], (seed, n)
+
+
+def all_pages_free(core) -> bool:
+    return core.pages.num_free == core.pages.num_pages and not core.pages.owned
+
+
+def bucket(tokens: int, caps) -> int:
+    return min(c for c in caps if c >= tokens)
+
+
+# ---- the mock itself --------------------------------------------------------------------------------------------
+def test_mock_topk_fill_matches_the_device_policy():
+    from dspark_jax.scheduling import survival, topk_fill
+
+    rng = np.random.default_rng(0)
+    conf = rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], size=(5, 4)).astype(np.float32)
+    active = np.array([True, False, True, True, True])
+    a = survival_np(conf)
+    np.testing.assert_array_equal(a, np.asarray(survival(conf)))
+    for k in range(0, 22):
+        np.testing.assert_array_equal(topk_fill_np(a, k, active), np.asarray(topk_fill(a, k, active)), str(k))
+
+
+# ---- outputs and continuous batching ----------------------------------------------------------------------------
+SCHEDULERS = ["none", "fixed:1", "fixed:3", "threshold:0.5", "dspark-sync", "dspark"]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_outputs_with_continuous_batching(scheduler):
+    L = 0 if scheduler == "none" else 4
+    core, runner = make_core(scheduler, B=3, L=L, accept=lambda seed, rnd: (seed + rnd) % (L + 1),
+                             conf=lambda t, s, seed, rnd: (((seed + rnd + np.arange(L)) % 4 + 1) / 4).astype(np.float32))
+    seeds = list(range(1, 11))  # 10 requests through 3 slots
+    prompts = {s: [s * 50 + i for i in range(1 + (s * 5) % 12)] for s in seeds}  # 1..12 tokens
+    max_tokens = {s: 1 + (s * 7) % 20 for s in seeds}
+    out = Outputs()
+    for s in seeds:
+        submit(core, out, f"r{s}", prompts[s], max_tokens[s], s)
+    drain(core, out)
+    full = {}
+    for s in seeds:
+        exp, reason = continuation(prompts[s], max_tokens[s])
+        assert out.tokens(f"r{s}") == exp, s
+        assert out.finish(f"r{s}") == reason == "length"
+        full[s] = prompts[s] + exp
+    check_contexts(runner, full)
+    admitted = list(dict.fromkeys(p.seed for p in runner.prefills))
+    assert admitted == seeds  # FIFO
+    assert max(rec.R for rec in runner.passes) == 3
+    first_prefill = {s: runner.events.index(next(e for e in runner.events if e[:2] == ("prefill", s))) for s in seeds}
+    assert sorted(first_prefill.values()) == [first_prefill[s] for s in seeds]
+    # The 4th request is admitted only once one of the first three has finished (its slot is reused).
+    slot_of = {seed: slot for rec in runner.passes for seed, slot in rec.slots.items()}
+    assert set(slot_of.values()) == {0, 1, 2}
+    assert out.finish_step("r4") > min(out.finish_step(f"r{s}") for s in (1, 2, 3))
+    assert all_pages_free(core) and core.stats["preemptions_total"] == 0
+    if scheduler == "none":
+        assert all(rec.ell == dict.fromkeys(rec.ell, 0) for rec in runner.passes)
+
+
+# ---- chunked prefill ----------------------------------------------------------------------------------------------
+def test_chunked_prefill_interleaves_with_decoding():
+    core, runner = make_core("fixed:2", B=3, L=2, max_model_len=64, accept=lambda seed, rnd: 0)
+    out = Outputs()
+    submit(core, out, "a", [10, 11, 12], 30, seed=1)
+    steps(core, out, 1)
+    submit(core, out, "long", list(range(100, 130)), 2, seed=2)  # 30 tokens: chunks 8, 8, 8, 6
+    submit(core, out, "c", [300, 301], 3, seed=3)
+    steps(core, out, 6)
+    assert runner.events == [
+        ("prefill", 1, 0, 3), ("pass", (1,)),
+        ("prefill", 2, 0, 8), ("pass", (1,)),  # "a" keeps decoding while the long prompt loads
+        ("prefill", 2, 8, 8), ("pass", (1,)),
+        ("prefill", 2, 16, 8), ("pass", (1,)),
+        ("prefill", 2, 24, 6), ("pass", (1, 2)),  # one chunk per step; "c" waits for the older prefill
+        ("prefill", 3, 0, 2), ("pass", (1, 3)),  # "long" finished (2 tokens); "c" runs in slot 2
+    ]
+    # Admission reserved the whole prompt + a block: ⌈(30 + 3) / 4⌉ = 9 pages for every chunk.
+    assert [len(p.pages) for p in runner.prefills if p.seed == 2] == [9, 9, 9, 9]
+    assert [step for step, o in out.by_id["a"]][:5] == [0, 1, 2, 3, 4]  # one token per step throughout
+    drain(core, out)
+    full = {}
+    for rid, seed, prompt, n in (("a", 1, [10, 11, 12], 30), ("long", 2, list(range(100, 130)), 2),
+                                 ("c", 3, [300, 301], 3)):
+        exp, reason = continuation(prompt, n)
+        assert (out.tokens(rid), out.finish(rid)) == (exp, reason)
+        full[seed] = prompt + exp
+    check_contexts(runner, full)
+    assert all_pages_free(core)
+
+
+# ---- stops and validation -----------------------------------------------------------------------------------------
+def test_stop_tokens_and_lengths():
+    E = 900
+    core, runner = make_core("fixed:4", B=2, L=4, eos=(E,))  # every draft accepted: 5 tokens per pass
+    out = Outputs()
+    cases = {  # rid: (prompt, max_tokens, params, expected chunks)
+        "eos": ([5, E - 4], 10, {}, [((E - 3,), None), ((E - 2, E - 1), "stop")]),  # EOS mid-block, rest dropped
+        "stop_id": ([50], 10, {"stop_token_ids": (53,)}, [((51,), None), ((52,), "stop")]),
+        "eos_first": ([E - 1], 10, {}, [((), "stop")]),  # the prefill's token is EOS
+        "ignore_eos": ([E - 2], 4, {"ignore_eos": True}, [((E - 1,), None), ((E, E + 1, E + 2), "length")]),
+        "stop_id_ignore_eos": ([200], 9, {"stop_token_ids": (202,), "ignore_eos": True},
+                               [((201,), None), ((), "stop")]),
+        "length_mid_block": ([100], 3, {}, [((101,), None), ((102, 103), "length")]),
+        "one": ([7, 8], 1, {}, [((9,), "length")]),
+    }
+    for i, (rid, (prompt, n, params, _)) in enumerate(cases.items()):
+        submit(core, out, rid, prompt, n, seed=i + 1, **params)
+    drain(core, out)
+    for rid, (*_, chunks) in cases.items():
+        assert out.chunks(rid) == chunks, rid
+    assert all_pages_free(core)
+
+
+def test_add_request_validation():
+    core, _ = make_core("fixed:1", max_model_len=40)
+    out = Outputs()
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        submit(core, out, "long", list(range(30)), 11, seed=1)
+    with pytest.raises(ValueError, match="empty"):
+        submit(core, out, "empty", [], 4, seed=1)
+    submit(core, out, "fits", list(range(30)), 10, seed=1)  # exactly max_model_len
+    with pytest.raises(ValueError, match="duplicate"):
+        submit(core, out, "fits", [1], 4, seed=2)
+    assert core.metrics()["requests_waiting"] == 1
+    drain(core, out)
+    assert out.tokens("fits") == continuation(list(range(30)), 10)[0]
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: max_tokens=0 is accepted and yields one token (the prefill's)")
+def test_max_tokens_zero_is_rejected():
+    core, _ = make_core("fixed:1")
+    out = Outputs()
+    try:
+        submit(core, out, "zero", [1, 2], 0, seed=1)
+    except ValueError:
+        return
+    drain(core, out)
+    assert out.tokens("zero") == [], f"max_tokens=0 streamed {out.tokens('zero')}"
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="needs a drafter"):
+        make_core("fixed:1", L=0)
+    for scheduler in ("threshold:0.5", "dspark-sync", "dspark"):
+        with pytest.raises(ValueError, match="confidence head"):
+            make_core(scheduler, confidence_head=False)
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_core("fixed:1", num_pages=5)  # one request needs ⌈(40 + 5) / 4⌉ = 12 pages
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        make_core("greedy")
+
+
+# ---- abort ----------------------------------------------------------------------------------------------------------
+ABORT_SETUP = {"a": (1, [10, 11, 12], 30), "p": (2, list(range(100, 130)), 5), "w": (3, [300, 301], 4)}
+
+
+@pytest.mark.parametrize("victim, free_after", [("w", 29), ("p", 36), ("a", 29)])
+def test_abort_waiting_prefilling_running(victim, free_after):
+    core, runner = make_core("fixed:2", B=2, L=2, max_model_len=64, num_pages=40, accept=lambda seed, rnd: 0)
+    out = Outputs()
+    for rid, (seed, prompt, n) in ABORT_SETUP.items():
+        submit(core, out, rid, prompt, n, seed)
+    steps(core, out, 2)
+    # "a" running (n = 5: 2 pages), "p" prefilling after one chunk (33 positions: 9 pages), "w" waiting.
+    m = core.metrics()
+    assert (m["requests_running"], m["requests_waiting"], m["free_pages"]) == (2, 1, 29)
+    streamed = out.tokens(victim)
+    core.abort(victim)
+    steps(core, out, 1)
+    assert out.chunks(victim)[-1] == ((), "abort") and out.tokens(victim) == streamed
+    assert victim not in core.pages.owned
+    # Hand counts after this step: w → a 2 + p 9; p → a 2 + w 2 (admitted into p's slot); a → p 9 + w 2.
+    assert core.pages.num_free == free_after == 40 - sum(len(p) for p in core.pages.owned.values())
+    core.abort(victim)  # idempotent: no second final output
+    core.abort("never-existed")
+    drain(core, out)
+    assert out.chunks(victim)[-1] == ((), "abort") and out.finish(victim) == "abort"
+    seed_v = ABORT_SETUP[victim][0]
+    assert all(e[1] != seed_v for e in runner.events[runner.events.index(("pass", (1,)), 3):] if e[0] == "prefill")
+    full = {}
+    for rid, (seed, prompt, n) in ABORT_SETUP.items():
+        exp, _ = continuation(prompt, n)
+        if rid != victim:
+            assert (out.tokens(rid), out.finish(rid)) == (exp, "length")
+        full[seed] = prompt + exp
+    check_contexts(runner, full)
+    assert all_pages_free(core) and core.metrics()["aborted_total"] == 1
+
+
+# ---- preemption -------------------------------------------------------------------------------------------------------
+def test_preemption_recomputes_and_resumes():
+    # 8 pages of 4; L = 2 and every draft accepted, so each pass commits 3 tokens and asks for n + 3 positions.
+    core, runner = make_core("fixed:2", B=2, L=2, max_model_len=24, num_pages=8)
+    out = Outputs()
+    submit(core, out, "a", [10, 11, 12, 13], 16, seed=1)
+    submit(core, out, "b", [50, 51, 52, 53], 16, seed=2)
+    drain(core, out)
+    # Step 4: "a" (n = 16) needs 5 pages, the pool is empty → "b" (admitted last, n = 13, generated 54..63)
+    # is preempted. Its recompute prompt is the prompt + generated[:-1] = 50..62, re-prefilled in chunks of 8
+    # once "a" has finished, and it resumes from anchor 63.
+    assert core.stats["preemptions_total"] == 1
+    assert [(p.start, p.tokens) for p in runner.prefills if p.seed == 1] == [(0, [10, 11, 12, 13])]
+    assert [(p.start, p.tokens) for p in runner.prefills if p.seed == 2] == [
+        (0, [50, 51, 52, 53]), (0, list(range(50, 58))), (8, list(range(58, 63)))]
+    resumed = [rec for rec in runner.passes if rec.n.get(2) == 13]
+    assert len(resumed) == 1 and resumed[0].anchor[2] == 63
+    assert out.chunks("a") == [((14,), None), ((15, 16, 17), None), ((18, 19, 20), None), ((21, 22, 23), None),
+                               ((24, 25, 26), None), ((27, 28, 29), "length")]
+    assert out.chunks("b") == [((54,), None), ((55, 56, 57), None), ((58, 59, 60), None), ((61, 62, 63), None),
+                               ((64, 65, 66), None), ((67, 68, 69), "length")]
+    check_contexts(runner, {1: list(range(10, 30)), 2: list(range(50, 70))})
+    assert all_pages_free(core) and core.metrics()["preemptions_total"] == 1
+
+
+# ---- schedulers -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, caps", [
+    (0, [4, 4, 4, 4, 4, 4, 4]),
+    (1, [4, 4, 8, 8, 8, 4, 4]),  # R(1 + 1) → 2, 4, 6
+    (3, [4, 8, 15, 15, 15, 8, 4]),  # R(1 + 3) → 4, 8, 12
+    (6, [8, 15, 15, 15, 15, 15, 8]),  # ℓ = min(6, L) = 4: R · 5 → 5, 10, 15
+])
+def test_fixed_lengths_and_buckets(n, caps):
+    core, runner = make_core(f"fixed:{n}", B=3, L=4, accept=lambda seed, rnd: 0)  # buckets (4, 8, 15)
+    assert runner.capacities == (4, 8, 15)
+    out = Outputs()
+    for seed, max_tokens in ((1, 8), (2, 6), (3, 4)):  # one token per pass: R = 1, 2, 3, 3, 3, 2, 1
+        submit(core, out, f"r{seed}", [seed], max_tokens, seed)
+    drain(core, out)
+    assert [rec.R for rec in runner.passes] == [1, 2, 3, 3, 3, 2, 1]
+    assert [rec.capacity for rec in runner.passes] == caps
+    for rec in runner.passes:
+        assert not rec.host_drafted and rec.budget is None
+        assert rec.lengths_arg == [min(n, 4) if s in rec.slots.values() else 0 for s in range(3)]
+
+
+# Survival per request (dyadic, so exact in f32): seed 1 a = [1, .5, .5, .25], seed 2 a = [.5, .25, .125, .0625].
+CONF_BY_SEED = {1: [1.0, 0.5, 1.0, 0.5], 2: [0.5, 0.5, 0.5, 0.5]}
+
+
+def two_request_run(scheduler, sps=None):
+    core, runner = make_core(scheduler, B=2, L=4, sps=sps, accept=lambda seed, rnd: 0,
+                             conf=lambda t, s, seed, rnd: np.array(CONF_BY_SEED[seed], np.float32))
+    assert runner.capacities == (4, 8, 10)
+    out = Outputs()
+    submit(core, out, "r1", [10], 6, seed=1)
+    submit(core, out, "r2", [20], 6, seed=2)
+    drain(core, out)
+    assert out.tokens("r1") == continuation([10], 6)[0] and out.tokens("r2") == continuation([20], 6)[0]
+    # r1 alone for one pass, then both, then r2 alone for one pass.
+    assert [sorted(rec.slots) for rec in runner.passes] == [[1]] + [[1, 2]] * 4 + [[2]]
+    return runner
+
+
+@pytest.mark.parametrize("x, ell", [(0.5, {1: 3, 2: 1}), (0.25, {1: 4, 2: 2}), (1.0, {1: 1, 2: 0}),
+                                    (0.1, {1: 4, 2: 3}), (0.0, {1: 4, 2: 4})])
+def test_threshold_lengths(x, ell):
+    runner = two_request_run(f"threshold:{x}")
+    for rec in runner.passes:
+        assert rec.host_drafted and rec.budget is None
+        assert rec.ell == {seed: ell[seed] for seed in rec.slots}
+        assert rec.capacity == bucket(rec.R + sum(rec.ell.values()), (4, 8, 10))
+
+
+def test_dspark_sync_breaks_at_the_first_dip():
+    # SPS(N) = 1 for N ≤ 4, 0.8 for N ≤ 8, 0.75 for N ≤ 10. Both running (R = 2), the admission path is
+    # (r1,1) 1, (r1,2) .5, (r1,3) .5, (r2,1) .5, (r1,4) .25, … with Θ_m = (2 + Σa) · SPS(2 + m):
+    # Θ = 2, 3, 3.5, 3.2 (dip: break) → ℓ = (2, 0). Without the break the global maximum is Θ_6 = 5 · .8 = 4,
+    # i.e. ℓ = (4, 2): the engine must not run that (it is the biased retrospective search).
+    # Alone (R = 1): r1 Θ = 1, 2, 2.5, 3, 2.6 → 3; r2 Θ = 1, 1.5, 1.75, 1.875, 1.55 → 3.
+    runner = two_request_run("dspark-sync", sps={4: 1.0, 8: 0.8, 10: 0.75})
+    expected = [{1: 3}] + [{1: 2, 2: 0}] * 4 + [{2: 3}]
+    assert [rec.ell for rec in runner.passes] == expected
+    assert [rec.capacity for rec in runner.passes] == [4] * 6
+    assert all(rec.host_drafted and rec.budget is None for rec in runner.passes)
+
+
+def zero_at(c: int) -> np.ndarray:
+    """A confidence row whose survival is 1 for the first c draft tokens and 0 after: c candidates."""
+    return np.array([1.0] * c + [0.0] * (4 - c), np.float32)[:4]
+
+
+def test_dspark_budget_uses_confidence_from_two_passes_earlier():
+    # Pass t's confidences give slot 0 c0 = t % 5 and slot 1 c1 = (t + 2) % 5 candidates. With a flat SPS table
+    # Θ grows with every candidate, so K = the number of stale candidates: slot rows from pass t − 2, a row
+    # whose slot had another owner (or none) then counting as all L; no history for passes 0 and 1.
+    counts = [(t % 5, (t + 2) % 5) for t in range(40)]
+    core, runner = make_core("dspark", B=2, L=4, max_model_len=64, sps={4: 1.0, 8: 1.0, 10: 1.0},
+                             conf=lambda t, s, seed, rnd: zero_at(counts[t][s]))
+    out = Outputs()
+    submit(core, out, "r1", [10, 11], 50, seed=1)
+    submit(core, out, "r2", [20, 21], 50, seed=2)
+    steps(core, out, 8)
+    passes = runner.passes[:8]
+    assert [rec.R for rec in passes] == [1, 2, 2, 2, 2, 2, 2, 2]
+    # t:        0  1  2      3      4      5      6      7
+    # K from:   -  -  (0,·4) (1,3)  (2,4)  (3,0)  (4,1)  (0,2)    ← pass t−2's counts (current ones differ)
+    assert [rec.budget for rec in passes] == [4, 8, 4, 4, 6, 3, 5, 2]
+    # ℓ = top-K of the *current* survival, slot 0 first on ties: min(K, c0), then min(K − ℓ0, c1).
+    assert [(rec.ell[1], rec.ell.get(2, 0)) for rec in passes] == [
+        (0, 0), (1, 3), (2, 2), (3, 0), (4, 1), (0, 2), (1, 3), (2, 0)]
+    assert [rec.capacity for rec in passes] == [8, 10, 8, 8, 8, 8, 8, 4]  # smallest bucket ≥ R + K
+    assert all(not rec.host_drafted and rec.want_confidence and rec.lengths_arg is None for rec in passes)
+    drain(core, out)
+    for rid, prompt in (("r1", [10, 11]), ("r2", [20, 21])):
+        assert out.tokens(rid) == continuation(prompt, 50)[0]
+
+
+def test_dspark_budget_capped_by_the_largest_bucket():
+    core, runner = make_core("dspark", B=2, L=4, capacities=(4, 8), sps={4: 1.0, 8: 1.0},
+                             conf=lambda t, s, seed, rnd: np.ones(4, np.float32))
+    out = Outputs()
+    submit(core, out, "r1", [10], 20, seed=1)
+    submit(core, out, "r2", [20], 20, seed=2)
+    steps(core, out, 3)
+    # R = 1: K = 4 → bucket 8. R = 2: 8 candidates, K = 8 − R = 6 → bucket 8.
+    assert [(rec.R, rec.budget, rec.capacity) for rec in runner.passes] == [(1, 4, 8), (2, 6, 8), (2, 6, 8)]
+    assert [sum(rec.ell.values()) for rec in runner.passes] == [4, 6, 6]
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------------
+def test_metrics_by_hand():
+    # fixed:2, L = 4. r1 accepts every draft token, r2 none, r3 wants one token.
+    #   step 0: admit r1, r2 (r3 waits); prefill r1; pass r1: ℓ 2, m 2 → 3 tokens.
+    #   step 1: prefill r2; pass r1 (ℓ 2, m 2, 3 tokens: 7 = max) + r2 (ℓ 2, m 0, 1 token).
+    #   step 2: admit r3, its prefill token ends it; pass r2: 1 token (3 = max).
+    core, _ = make_core("fixed:2", B=2, L=4, max_model_len=32, num_pages=16,
+                        accept=lambda seed, rnd: {1: 4, 2: 0, 3: 0}[seed])
+    out = Outputs()
+    for seed, max_tokens in ((1, 7), (2, 3), (3, 1)):
+        submit(core, out, f"r{seed}", [seed * 20, seed * 20 + 1], max_tokens, seed)
+    m = core.metrics()
+    assert (m["requests_waiting"], m["requests_running"], m["free_pages"], m["total_pages"]) == (3, 0, 16, 16)
+    assert (m["tokens_per_step"], m["verify_tokens_per_pass"], m["acceptance_per_position"]) == (0, 0, [0] * 4)
+    gauges = []
+    for _ in range(3):
+        steps(core, out, 1)
+        m = core.metrics()
+        gauges.append((m["requests_running"], m["requests_waiting"], m["free_pages"]))
+    # Pages of 4, admission needs prompt + 5 = 7 positions (2 pages). After step 0: r1 2 + r2 2 → 12 free.
+    # After step 1: r1 grew to 3 pages (n + 5 = 10) then finished, r2 2 → 14. After step 2: all back.
+    assert gauges == [(2, 1, 12), (1, 1, 14), (0, 0, 16)]
+    assert not core.has_work()
+    assert m["steps_total"] == 3 and m["requests_total"] == 3
+    assert m["prompt_tokens_total"] == 6 and m["generation_tokens_total"] == 7 + 3 + 1
+    assert m["tokens_per_step"] == 8 / 4  # emitted 3 + 3 + 1 + 1 over 4 row-steps
+    assert m["verify_tokens_per_pass"] == (3 + 6 + 3) / 3
+    # Position 1 reached 4 times (2 accepted, r1), position 2 twice (r1, accepted), 3 and 4 never (ℓ = 2).
+    assert m["acceptance_per_position"] == [0.5, 1.0, 0.0, 0.0]
+    assert m["sps_table"] == {4: 1.0, 8: 1.0, 10: 1.0}
+    assert (m["preemptions_total"], m["aborted_total"]) == (0, 0)
+    assert out.chunks("r1") == [((42 - 20,), None), ((23, 24, 25), None), ((26, 27, 28), "length")]
+    assert out.chunks("r2") == [((42,), None), ((43,), None), ((44,), "length")]
+    assert out.chunks("r3") == [((62,), "length")]
+
+
+# ---- the threaded Engine ----------------------------------------------------------------------------------------------
+def test_engine_thread():
+    core, runner = make_core("fixed:2", B=3, L=2, accept=lambda seed, rnd: (seed + rnd) % 3)
+    engine = Engine(core, model_name="mock").start()
+    out = Outputs()
+    calls = collections.Counter()
+
+    def broken(o):
+        calls[o.finish_reason] += 1
+        raise RuntimeError("consumer bug")
+
+    def client(k: int) -> None:
+        for i in range(5):
+            seed = 1 + 5 * k + i
+            engine.add_request(EngineRequest(request_id=f"r{seed}", prompt_ids=[seed * 30], on_output=out,
+                                             params=SamplingParams(max_tokens=1 + seed % 9, seed=seed)))
+
+    try:
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        engine.add_request(EngineRequest(request_id="broken", prompt_ids=[900], on_output=broken,
+                                         params=SamplingParams(max_tokens=6, seed=99)))
+        for t in threads:
+            t.join()
+        assert engine.wait_idle(timeout=10)
+        assert engine.health() and engine.idle()
+        for seed in range(1, 21):
+            assert out.tokens(f"r{seed}") == continuation([seed * 30], 1 + seed % 9)[0]
+            assert out.finish(f"r{seed}") == "length"
+        assert calls["length"] == 1 and calls[None] >= 1  # every callback ran, the last one final
+        assert engine.metrics()["requests_total"] == 21 and all_pages_free(core)
+    finally:
+        engine.stop()
+    assert not engine.health()
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.add_request(EngineRequest(request_id="late", prompt_ids=[1], on_output=out,
+                                         params=SamplingParams(seed=1)))
+
+
+def test_engine_device_error_fails_every_request():
+    core, runner = make_core("fixed:1", B=2, L=2, fail_at_pass=2)
+    engine = Engine(core, model_name="mock").start()
+    out = Outputs()
+    try:
+        for seed in (1, 2, 3):
+            engine.add_request(EngineRequest(request_id=f"r{seed}", prompt_ids=[seed], on_output=out,
+                                             params=SamplingParams(max_tokens=20, seed=seed)))
+        assert engine.wait_idle(timeout=10)
+        assert not engine.health()
+        for seed in (1, 2, 3):
+            last = out.by_id[f"r{seed}"][-1][1]
+            assert last.finish_reason == "abort" and last.error == "engine error: RuntimeError: mock device error"
+    finally:
+        engine.stop()

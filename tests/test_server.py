@@ -1,0 +1,537 @@
+"""The OpenAI-compatible server (serve/server.py) against a mock engine whose outputs are computed by hand.
+
+FakeEngine: next token = (previous token * 7 + 3 + offset) % 100, starting from the last prompt token,
+where offset = seed when sampling with a seed and 0 otherwise (so greedy ignores the seed and choice i of
+an n > 1 request, seeded seed + i, differs from choice 0). Tokens come `per_report` at a time from a worker
+thread every `step_s`. It honours max_tokens, the model's context, stop_token_ids, EOS (id 100) unless
+ignore_eos, and abort; each request holds KV "pages" from admission to its end, so tests can assert that
+every way a request ends gives them back. Prompts that start with token 98 are aborted with an error;
+prompts that start with 99 make add_request raise RuntimeError (an engine bug → 500).
+
+The tokenizer is a word-level `tokenizers.Tokenizer` over "t0".."t99" plus chat specials (no download);
+decoding joins words with spaces, so `text(ids) == " ".join(f"t{i}")`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import threading
+import time
+import types
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import serve.server
+from serve import cli
+from serve.server import ServerThread, build_app
+from serve.stream import ChoiceText
+from serve.text import ChatFormatter, TokenizerAdapter
+from serve.types import EngineRequest, RequestOutput
+
+MODEL = "fake-model"
+EOS, IM_START, UNK = 100, 101, 102
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>{% endif %}")
+
+
+def next_token(prev: int, offset: int = 0) -> int:
+    return (prev * 7 + 3 + offset) % 100
+
+
+def expected_ids(last_prompt_id: int, n: int, offset: int = 0) -> list[int]:
+    out, t = [], last_prompt_id
+    for _ in range(n):
+        t = next_token(t, offset)
+        out.append(t)
+    return out
+
+
+def text(ids) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+class FakeEngine:
+    """EngineLike with hand-computable outputs, a worker thread, and page accounting."""
+
+    model_name = MODEL
+
+    def __init__(self, *, max_model_len=256, page_size=4, total_pages=256, max_batch=8, per_report=3, step_s=0.002):
+        self.max_model_len, self.page_size, self.total_pages = max_model_len, page_size, total_pages
+        self.max_batch, self.per_report, self.step_s = max_batch, per_report, step_s
+        self.free_pages = total_pages
+        self.broken = False
+        self.aborted: list[str] = []
+        self.added: list[EngineRequest] = []
+        self._lock = threading.Lock()
+        self._waiting: list[dict] = []
+        self._running: dict[str, dict] = {}
+        self._finals: list[tuple[EngineRequest, RequestOutput]] = []
+        self._counts = dict(requests_total=0, prompt_tokens_total=0, generation_tokens_total=0, steps_total=0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
+        self._thread.start()
+
+    def pages_for(self, req: EngineRequest) -> int:
+        return math.ceil((len(req.prompt_ids) + req.params.max_tokens) / self.page_size)
+
+    def add_request(self, request: EngineRequest) -> None:
+        if request.prompt_ids[0] == 99:
+            raise RuntimeError("boom")
+        if any(not 0 <= t <= UNK for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {UNK}]")
+        if len(request.prompt_ids) + request.params.max_tokens > self.max_model_len:
+            raise ValueError("too long")  # the server must have caught this before
+        with self._lock:
+            self.added.append(request)
+            self._counts["requests_total"] += 1
+            self._waiting.append(dict(req=request, generated=[], last=request.prompt_ids[-1]))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.aborted.append(request_id)
+            for i, s in enumerate(self._waiting):
+                if s["req"].request_id == request_id:
+                    del self._waiting[i]
+                    self._finals.append((s["req"], RequestOutput(request_id=request_id, token_ids=(),
+                                                                 finish_reason="abort")))
+            if (s := self._running.pop(request_id, None)) is not None:
+                self.free_pages += self.pages_for(s["req"])  # freed at once, as the contract says
+                self._finals.append((s["req"], RequestOutput(request_id=request_id, token_ids=(),
+                                                             finish_reason="abort")))
+
+    def _step(self) -> list[tuple[EngineRequest, RequestOutput]]:
+        with self._lock:
+            reports, self._finals = self._finals, []
+            while self._waiting and len(self._running) < self.max_batch:
+                need = self.pages_for(self._waiting[0]["req"])
+                if need > self.free_pages:
+                    break
+                s = self._waiting.pop(0)
+                self.free_pages -= need
+                self._counts["prompt_tokens_total"] += len(s["req"].prompt_ids)
+                self._running[s["req"].request_id] = s
+            if self._running:
+                self._counts["steps_total"] += 1
+            for rid, s in list(self._running.items()):
+                req, p = s["req"], s["req"].params
+                if req.prompt_ids[0] == 98:
+                    out = RequestOutput(request_id=rid, token_ids=(), finish_reason="abort", error="fake failure")
+                    finish = "abort"
+                else:
+                    offset = p.seed if p.temperature > 0 and p.seed is not None else 0
+                    new, finish = [], None
+                    for _ in range(self.per_report):
+                        t = next_token(s["last"], offset)
+                        s["last"] = t
+                        if t in p.stop_token_ids or (t == EOS and not p.ignore_eos):
+                            finish = "stop"
+                            break
+                        new.append(t)
+                        if len(s["generated"]) + len(new) >= p.max_tokens:
+                            finish = "length"
+                            break
+                    s["generated"] += new
+                    self._counts["generation_tokens_total"] += len(new)
+                    out = RequestOutput(request_id=rid, token_ids=tuple(new), finish_reason=finish)
+                if finish is not None:
+                    del self._running[rid]
+                    self.free_pages += self.pages_for(req)
+                reports.append((req, out))
+            return reports
+
+    def _loop(self):
+        while not self._stop.wait(self.step_s):
+            for req, out in self._step():  # callbacks outside the lock, like a real engine
+                req.on_output(out)
+
+    def metrics(self) -> dict:
+        with self._lock:
+            return {**self._counts, "requests_running": len(self._running), "requests_waiting": len(self._waiting),
+                    "tokens_per_step": 2.5, "acceptance_per_position": [0.9, 0.7, 0.5],
+                    "verify_tokens_per_pass": 12.0, "sps_table": {16: 50.0, 32: 45.5},
+                    "free_pages": self.free_pages, "total_pages": self.total_pages}
+
+    def health(self) -> bool:
+        return self._thread.is_alive() and not self.broken
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+    def wait_idle(self, timeout_s=3.0) -> bool:
+        """True once every page is free again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.free_pages == self.total_pages:
+                return True
+            time.sleep(0.01)
+        return False
+
+
+def make_tokenizer() -> Tokenizer:
+    vocab = {f"t{i}": i for i in range(100)} | {"<|im_end|>": EOS, "<|im_start|>": IM_START, "<unk>": UNK}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|im_end|>", "<|im_start|>", "<unk>"])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = FakeEngine()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    tok = make_tokenizer()
+    app = build_app(engine, tok, chat_template=ChatFormatter(TEMPLATE, TokenizerAdapter(tok).encode))
+    with ServerThread(app) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=10)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=10) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _pages_back(engine):
+    """Every test must leave the engine with all pages free."""
+    yield
+    assert engine.wait_idle(), f"{engine.free_pages=} != {engine.total_pages=}"
+
+
+def test_tokenizer_and_chat_template():
+    tok = TokenizerAdapter(make_tokenizer())
+    assert tok.encode("t1 t2") == [1, 2]
+    assert tok.decode([1, 2, EOS]) == "t1 t2"
+    fmt = ChatFormatter(TEMPLATE, tok.encode)
+    assert fmt.render([{"role": "user", "content": "t1 t2"}]) == "<|im_start|>t1 t2<|im_end|><|im_start|>"
+    assert fmt([{"role": "user", "content": "t1 t2"}]) == [IM_START, 1, 2, EOS, IM_START]
+
+
+def test_completion(client, engine):
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=7, temperature=0)
+    assert r.choices[0].text == text(expected_ids(1, 7))
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (1, 7, 8)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+
+
+def test_completion_defaults_and_token_prompt(client, engine):
+    r = client.completions.create(model=MODEL, prompt=[5, 6])  # OpenAI's default max_tokens is 16
+    assert r.choices[0].text == text(expected_ids(6, 16))
+    r = client.completions.create(model=MODEL, prompt=["t5 t6"], max_tokens=2)
+    assert r.choices[0].text == text(expected_ids(6, 2)) and r.usage.prompt_tokens == 2
+
+
+def test_chat(client, engine):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t1 t2"}], max_tokens=5)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text(expected_ids(IM_START, 5))
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 5
+    assert engine.added[-1].prompt_ids == [IM_START, 1, 2, EOS, IM_START]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t3"}],
+                                       max_completion_tokens=4)
+    assert r.choices[0].message.content == text(expected_ids(IM_START, 4))
+
+
+def test_chat_default_max_tokens_fills_context(client, engine):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t3"}])
+    assert engine.added[-1].params.max_tokens == engine.max_model_len - 4
+    assert r.usage.completion_tokens == engine.max_model_len - 4 and r.choices[0].finish_reason == "length"
+
+
+def test_sampling_params_pass_through(client, engine):
+    client.completions.create(model=MODEL, prompt="t1", max_tokens=3, temperature=0.5, top_p=0.9, seed=11,
+                              extra_body={"top_k": -1, "ignore_eos": True, "stop_token_ids": [7], "user": "me"})
+    p = engine.added[-1].params
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos, p.stop_token_ids) == (0.5, 0.9, 0, 11, True, (7,))
+    client.completions.create(model=MODEL, prompt="t1", max_tokens=3, extra_body={"top_k": 5})
+    p = engine.added[-1].params
+    assert (p.temperature, p.top_p, p.top_k, p.seed) == (1.0, 1.0, 5, None)
+
+
+def test_n_and_seed(client, engine):
+    r = client.completions.create(model=MODEL, prompt="t1", n=2, seed=5, temperature=1.0, max_tokens=4)
+    by_index = {c.index: c.text for c in r.choices}
+    assert by_index == {0: text(expected_ids(1, 4, 5)), 1: text(expected_ids(1, 4, 6))}
+    assert [q.params.seed for q in engine.added[-2:]] == [5, 6]
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == 1
+    r = client.completions.create(model=MODEL, prompt="t1", n=3, temperature=1.0, max_tokens=2)
+    assert [q.params.seed for q in engine.added[-3:]] == [None, None, None]
+    assert len({q.request_id for q in engine.added[-3:]}) == 3
+
+
+def test_stop_token_ids(client):
+    # t1 -> 10, 73, 14, 1, 10, ...
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=10, extra_body={"stop_token_ids": [14]})
+    assert r.choices[0].text == "t10 t73" and r.choices[0].finish_reason == "stop"
+
+
+def test_stop_string_truncates_and_aborts(client, engine):
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=200, stop=["t14", "zzz"])
+    assert r.choices[0].text == "t10 t73 " and r.choices[0].finish_reason == "stop"
+    assert engine.added[-1].request_id in engine.aborted  # the engine stopped generating for it
+    assert r.usage.completion_tokens == 3  # the report that held the stop: one report of per_report tokens
+
+
+def test_stop_string_streaming_holds_back_prefixes(client, engine):
+    # "t1" is a prefix of "t10": the stream must not send "t1" of "t10" before it knows it is not "t1 ".
+    stream = client.completions.create(model=MODEL, prompt="t1", max_tokens=200, stop="t1 ", stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == "t10 t73 t14 "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert engine.added[-1].request_id in engine.aborted
+
+
+def test_completion_stream(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="t2", max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}))
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in body) == text(expected_ids(2, 8))
+    assert body[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == 1
+
+
+def test_chat_stream_n2(client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t4"}], n=2,
+                                            seed=1, temperature=0.7, max_tokens=6, stream=True)
+    content, finish, roles = {0: "", 1: ""}, {}, set()
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.add((c.index, c.delta.role))
+            content[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert roles == {(0, "assistant"), (1, "assistant")}
+    assert content == {0: text(expected_ids(IM_START, 6, 1)), 1: text(expected_ids(IM_START, 6, 2))}
+    assert finish == {0: "length", 1: "length"}
+
+
+def test_engine_abort_with_error(client, http):
+    with pytest.raises(openai.InternalServerError, match="fake failure"):
+        client.completions.create(model=MODEL, prompt=[98, 1], max_tokens=5)
+    with pytest.raises(openai.APIError, match="fake failure"):
+        list(client.completions.create(model=MODEL, prompt=[98, 1], max_tokens=5, stream=True))
+    assert http.get("/health").status_code == 200
+
+
+def test_models_and_health(client, http, engine):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    engine.broken = True
+    try:
+        assert http.get("/health").status_code == 503
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "t1"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
+    finally:
+        engine.broken = False
+
+
+BAD_REQUESTS = [
+    # (path, body, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "temperature": 2.5}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "n": 9}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["t1", "t2"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "t1"}, 400, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": [500]}, 400, None),  # the engine's ValueError
+    ("/v1/completions", {"model": "gpt-4", "prompt": "t1"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1 " * 250, "max_tokens": 10}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1 " * 256}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "t1"}],
+                              "max_completion_tokens": 300}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "t1"}]}, 404, "model"),
+    ("/v1/nowhere", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_requests(http, path, body, status, param):
+    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param, err
+    if status == 404 and path != "/v1/nowhere":
+        assert err["code"] == "model_not_found"
+    if "context" in err["message"]:
+        assert err["code"] == "context_length_exceeded" and "256" in err["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_unexpected_exception_is_500_and_server_lives(http, client):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [99], "max_tokens": 2})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert client.completions.create(model=MODEL, prompt="t1", max_tokens=2).choices[0].text == "t10 t73"
+
+
+def test_metrics(http, client):
+    client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in ("requests", "prompt_tokens", "generation_tokens", "steps"):
+        assert fams[f"dspark_{name}"].type == "counter"
+    for name in ("requests_running", "requests_waiting", "tokens_per_step", "verify_tokens_per_pass",
+                 "free_pages", "total_pages", "engine_healthy"):
+        assert fams[f"dspark_{name}"].type == "gauge"
+    value = {s.name: s.value for f in fams.values() for s in f.samples if not s.labels}
+    assert value["dspark_free_pages"] == value["dspark_total_pages"] == 256
+    assert value["dspark_requests_total"] >= 1 and value["dspark_tokens_per_step"] == 2.5
+    acc = {s.labels["position"]: s.value for s in fams["dspark_acceptance_rate"].samples}
+    assert acc == {"1": 0.9, "2": 0.7, "3": 0.5}
+    assert {s.labels["bucket"]: s.value for s in fams["dspark_sps"].samples} == {"16": 50.0, "32": 45.5}
+    http_counts = {(s.labels["endpoint"], s.labels["status"]) for s in fams["dspark_http_requests"].samples
+                   if s.name.endswith("_total")}
+    assert ("completions", "200") in http_counts
+
+
+def test_disconnect_mid_stream_aborts(http, engine):
+    engine.step_s, engine.per_report = 0.01, 1  # 200 reports: 2 s unless aborted
+    try:
+        body = {"model": MODEL, "prompt": "t1", "max_tokens": 200, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    # Checked before `break`: leaving the loop closes iter_lines, which closes the connection.
+                    rid = engine.added[-1].request_id
+                    assert engine.free_pages < engine.total_pages and rid not in engine.aborted
+                    break
+        assert engine.wait_idle(), "pages not returned after the client went away"
+        assert rid in engine.aborted
+    finally:
+        engine.step_s, engine.per_report = 0.002, 3
+
+
+def test_disconnect_while_waiting_aborts(server, engine):
+    engine.step_s, engine.per_report = 0.02, 1  # 240 reports: 4.8 s unless aborted, far longer than the client waits
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + "/v1/completions", timeout=0.3,
+                       json={"model": MODEL, "prompt": "t1", "max_tokens": 240})
+        rid = engine.added[-1].request_id
+        assert engine.wait_idle(), "pages not returned after the client went away"
+        assert rid in engine.aborted
+    finally:
+        engine.step_s, engine.per_report = 0.002, 3
+
+
+def test_concurrent_streams(server):
+    async def one(c: httpx.AsyncClient, i: int) -> str:
+        body = {"model": MODEL, "prompt": f"t{i}", "max_tokens": 5 + i % 7, "stream": True, "temperature": 0}
+        out = ""
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    out += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+        return out
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(24)))
+
+    for i, out in enumerate(asyncio.run(main())):
+        assert out == text(expected_ids(i, 5 + i % 7)), i
+
+
+def test_choice_text_holds_back_partial_characters_and_stop_prefixes():
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731 (one token = one byte)
+    t = ChoiceText(decode)
+    snowman = list("☃".encode())
+    assert t.add([ord("a"), snowman[0]]) == "a"  # the half character waits
+    assert t.add(snowman[1:]) == "☃"
+    t = ChoiceText(decode, stop=["xyz"])
+    assert t.add(b"abx") == "ab"  # "x" may start "xyz"
+    assert t.add(b"y") == ""
+    assert t.add(b"q") == "xyq"
+    assert t.add(b"xy") == "" and t.add(b"", final=True) == "xy"
+    t = ChoiceText(decode, stop=["xyz", "b"])
+    assert t.add(b"axyzb") == "a" and t.stopped and t.text == "a" and len(t.ids) == 5
+    assert t.add(b"more") == ""
+
+
+def test_cli_help_and_bad_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--target", "--drafter", "--scheduler", "--max-batch", "--max-model-len", "--page-size", "--host",
+                 "--port", "--kernels", "--sps-out", "--log-level"):
+        assert flag in out
+    for bad in (["--scheduler", "fixed:-1"], ["--scheduler", "fixed"], ["--scheduler", "threshold:2"],
+                ["--scheduler", "magic"], ["--scheduler", "dspark:3"],
+                ["--max-batch", "0"], ["--port", "70000"], ["--kernels", "cuda"], ["--log-level", "loud"],
+                ["--drafter", "none", "--scheduler", "dspark"], ["--bogus"]):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(bad)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (bad, err)
+    assert cli.parse_args(["--drafter", "none"]).scheduler == "none"
+    assert cli.parse_args([]).scheduler == "dspark"
+    assert cli.parse_args(["--scheduler", "threshold:0.4"]).scheduler == "threshold:0.4"
+
+
+def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
+    calls = {}
+
+    def create_engine(**kw):
+        calls["kw"] = kw
+        eng = FakeEngine()
+        eng.tokenizer = make_tokenizer()
+        eng.chat_template = ChatFormatter(TEMPLATE, TokenizerAdapter(eng.tokenizer).encode)
+        calls["engine"] = eng
+        return eng
+
+    def serve_forever(app, host, port, *, log_level, on_ready):
+        calls["serve"] = (host, port, log_level, [r.path for r in app.routes])
+        on_ready(f"http://{host}:{port}")
+
+    monkeypatch.setitem(sys.modules, "serve.engine", types.SimpleNamespace(create_engine=create_engine))
+    monkeypatch.setattr(serve.server, "serve_forever", serve_forever)
+    sps = tmp_path / "sps.json"
+    assert cli.main(["--drafter", "none", "--port", "8123", "--sps-out", str(sps), "--log-level", "warning"]) == 0
+    assert calls["kw"] == dict(target="smollm2-135m-instruct", drafter=None, scheduler="none", max_batch=16,
+                               max_model_len=2048, page_size=16, kernels="auto", progress=True)
+    assert calls["serve"][:3] == ("127.0.0.1", 8123, "warning") and "/v1/chat/completions" in calls["serve"][3]
+    assert "http://127.0.0.1:8123" in capsys.readouterr().out
+    assert json.loads(sps.read_text()) == {"16": 50.0, "32": 45.5}
+    assert not calls["engine"]._thread.is_alive()  # main closes the engine on the way out
