@@ -65,7 +65,8 @@ def _port(value: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(prog="python -m dspark_jax.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m dspark_jax.serve", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct",
                    help="target model: a known name, a Hugging Face directory or a .gguf file (default: %(default)s)")
     p.add_argument("--drafter", default="smollm2-135m-instruct/dspark",

@@ -530,7 +530,8 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
     sps = tmp_path / "sps.json"
     assert cli.main(["--drafter", "none", "--port", "8123", "--sps-out", str(sps), "--log-level", "warning"]) == 0
     assert calls["kw"] == dict(target="smollm2-135m-instruct", drafter=None, scheduler="none", max_batch=16,
-                               max_model_len=2048, page_size=16, kernels="auto", progress=True)
+                               max_model_len=2048, page_size=16, num_pages=None, kernels="auto", mesh_shape=(1, 1),
+                               progress=True)
     assert calls["serve"][:3] == ("127.0.0.1", 8123, "warning") and "/v1/chat/completions" in calls["serve"][3]
     assert "http://127.0.0.1:8123" in capsys.readouterr().out
     assert json.loads(sps.read_text()) == {"16": 50.0, "32": 45.5}
