@@ -96,6 +96,8 @@ class EngineCore:
         n = len(request.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
+        if p.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
         if n + p.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's context of "
                              f"{self.max_model_len} tokens")
@@ -134,8 +136,9 @@ class EngineCore:
         for lst in (self.prefilling, self.running):
             if r in lst:
                 lst.remove(r)
-        if r in self.waiting:
-            self.waiting.remove(r)
+        with self._lock:
+            if r in self.waiting:
+                self.waiting.remove(r)
 
     def _finish(self, r: _Req, tokens: list[int], reason: str, error: str | None = None) -> None:
         r.done = True
@@ -338,6 +341,11 @@ class Engine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
         self._alive = False
+
+    def core_only(self) -> EngineCore:
+        """Stops the thread and hands back the core, to be driven by `step()` directly (tests, benchmarks)."""
+        self.stop()
+        return self.core
 
     def start(self) -> Engine:
         self._alive = True

@@ -49,7 +49,8 @@ def tiny(tmp_path_factory):
 
 def _cfg(data, out, **optim):
     return load_config(None, [
-        f"data.path={data}", "data.seq_len=32", "data.anchors_per_seq=4", "data.batch_sequences=4", "data.features=false",
+        f"data.path={data}", "data.seq_len=32", "data.anchors_per_seq=4", "data.batch_sequences=4",
+        "data.features=false",
         "drafter.kind=dspark", "drafter.block_size=4", "drafter.overrides={num_layers: 1, markov_rank: 8}",
         f"run.out_dir={out}", "run.log_every=1", "run.ckpt_every=3", "run.keep=5", "run.async_checkpoint=false",
         *[f"optim.{k}={v}" for k, v in {"steps": 9, "lr": 3e-3, "warmup": 2, **optim}.items()]])
