@@ -407,11 +407,13 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
                   scheduler: str = "dspark", max_batch: int = 16, max_model_len: int = 2048, page_size: int = 16,
                   num_pages: int | None = None, kernels: str = "auto", mesh_shape: tuple[int, int] = (1, 1),
                   chunk_sizes: tuple[int, ...] = (32, 128), profile: bool = True, progress: bool = True,
-                  target_obj=None, drafter_obj=None) -> Engine:
+                  target_obj=None, drafter_obj=None, runner=None) -> Engine:
     """Loads target and drafter, precompiles every bucket, profiles SPS, and starts the engine thread.
 
     `target_obj` / `drafter_obj` pass already-loaded models (tests); `drafter=None` or "none" serves the target
     alone (only the `none` scheduler then). `mesh_shape` = (data, model) devices (tensor parallel over `model`).
+    `runner` reuses the device side (models, page pools, compiled programs) of an earlier engine, e.g. to compare
+    schedulers without recompiling; its sizes then win over the size arguments.
     """
     from dspark_jax.drafter import load_drafter
     from dspark_jax.sharding import make_mesh
@@ -422,6 +424,9 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
     say = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
     if max_batch < 1 or max_model_len < 2 or page_size < 1:
         raise ValueError(f"bad engine sizes: {max_batch=}, {max_model_len=}, {page_size=}")
+    if runner is not None:
+        return _engine_on(runner, spec, scheduler, max_model_len, profile, say,
+                          getattr(runner.target, "source", "target"))
     tgt = target_obj if target_obj is not None else load_target(target)
     drf = drafter_obj
     if drf is None and drafter not in (None, "none") and spec.needs_drafter:
@@ -440,6 +445,15 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
     runner = ModelRunner(tgt, drf, max_batch=max_batch, num_pages=num_pages, page_size=page_size,
                          max_pages=max_pages, capacities=capacity_buckets(max_batch, L),
                          chunk_sizes=tuple(sorted(chunk_sizes)), kernels=kernels, mesh=mesh)
+    name = target if target_obj is None else getattr(tgt, "source", "target")
+    return _engine_on(runner, spec, scheduler, max_model_len, profile, say, name)
+
+
+def _engine_on(runner, spec: SchedulerSpec, scheduler: str, max_model_len: int, profile: bool, say,
+               name: str) -> Engine:
+    """Compiles (if not yet) and profiles the runner for the scheduler's mode, then starts an engine on it."""
+    if spec.needs_drafter and runner.drafter is None:
+        raise ValueError(f"scheduler {scheduler!r} needs a drafter; this runner has none")
     mode = "topk" if spec.kind == "dspark" else "lengths"
     t0 = time.perf_counter()
     say(f"compiling {len(runner.capacities)} capacity buckets {list(runner.capacities)} and "
@@ -450,7 +464,7 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
     if profile:
         sps = runner.profile_sps(mode)
         say("SPS table (capacity → steps/s): " + ", ".join(f"{c}: {v:.2f}" for c, v in sps.items()))
-    core = EngineCore(runner, scheduler=scheduler, max_batch=max_batch, num_pages=num_pages, page_size=page_size,
-                      max_model_len=max_model_len, eos_token_ids=tgt.eos_token_ids, sps=sps)
-    name = target if target_obj is None else getattr(tgt, "source", "target")
-    return Engine(core, model_name=name, tokenizer=tgt.tokenizer).start()
+    core = EngineCore(runner, scheduler=scheduler, max_batch=runner.B, num_pages=runner.tkv.num_pages,
+                      page_size=runner.page_size, max_model_len=max_model_len,
+                      eos_token_ids=runner.target.eos_token_ids, sps=sps)
+    return Engine(core, model_name=name, tokenizer=runner.target.tokenizer).start()

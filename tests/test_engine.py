@@ -67,16 +67,28 @@ def _engine(target, drafter, scheduler, **kw):
     return create_engine(target_obj=target, drafter_obj=drafter, scheduler=scheduler, **kw)
 
 
+@pytest.fixture(scope="module")
+def runners(tiny):
+    """The device sides, built once: every scheduler's engine runs on them (as scripts/bench_serve.py does)."""
+    target, drafter, _, _ = tiny
+    spec = _engine(target, drafter, "fixed:1", profile=False)
+    plain = _engine(target, None, "none", profile=False)
+    spec.stop()
+    plain.stop()
+    return {"spec": spec.core.runner, "plain": plain.core.runner}
+
+
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_greedy_through_the_server_equals_target_only(tiny, scheduler):
+def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
     import openai
 
     from serve.server import ServerThread, build_app
 
     target, drafter, prompts, ref = tiny
-    engine = _engine(target, drafter, scheduler)
+    engine = create_engine(runner=runners["plain" if scheduler == "none" else "spec"], scheduler=scheduler,
+                           max_model_len=80, progress=False)
     warm = dict(engine.core.runner.traces)
-    assert warm and all(v == 1 for v in warm.values())
+    assert warm and all(v == 1 for v in warm.values())  # each program and bucket traced exactly once
     tok = _word_tokenizer(128)
     app = build_app(engine, tok, chat_template=lambda msgs: _ids(" ".join(m["content"] for m in msgs)))
     try:
