@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from dspark_jax.scheduling import bucket_sps, capacity_search, prefix_schedule, survival, threshold_lengths
@@ -80,6 +80,12 @@ def token_sps_table(sps_at_buckets, buckets) -> np.ndarray:
     return np.asarray(bucket_sps(sps_at_buckets, buckets, int(buckets[-1])))
 
 
+# Jitted once per shape: eager jnp here would cost dozens of small dispatches on every engine step.
+_threshold = jax.jit(lambda conf, x, active: threshold_lengths(survival(conf), x, active))
+_prefix = jax.jit(lambda conf, sps, active: prefix_schedule(survival(conf), sps, active))
+_capacity = jax.jit(lambda conf, sps, active: capacity_search(survival(conf), sps, active))
+
+
 def host_lengths(spec: SchedulerSpec, conf: np.ndarray | None, active: np.ndarray, block_size: int,
                  sps_table: np.ndarray) -> np.ndarray:
     """ℓ per slot for the synchronous schedulers (none, fixed, threshold, dspark-sync); int32 [B]."""
@@ -88,10 +94,9 @@ def host_lengths(spec: SchedulerSpec, conf: np.ndarray | None, active: np.ndarra
         return np.zeros(B, np.int32)
     if spec.kind == "fixed":
         return np.where(active, min(spec.n, block_size), 0).astype(np.int32)
-    a = survival(jnp.asarray(conf))
     if spec.kind == "threshold":
-        return np.asarray(threshold_lengths(a, spec.threshold, jnp.asarray(active)))
-    return np.asarray(prefix_schedule(a, jnp.asarray(sps_table), jnp.asarray(active)))
+        return np.asarray(_threshold(conf, np.float32(spec.threshold), active))
+    return np.asarray(_prefix(conf, sps_table, active))
 
 
 def dspark_capacity(stale_conf: np.ndarray | None, active: np.ndarray, block_size: int,
@@ -100,4 +105,4 @@ def dspark_capacity(stale_conf: np.ndarray | None, active: np.ndarray, block_siz
     Without history yet (the first steps) the survival is taken as 1 for every draft token; slots whose
     stale row belonged to another request are treated the same way."""
     conf = np.ones((active.shape[0], block_size), np.float32) if stale_conf is None else stale_conf
-    return int(capacity_search(survival(jnp.asarray(conf)), jnp.asarray(sps_table), jnp.asarray(active)))
+    return int(_capacity(conf, sps_table, active))
