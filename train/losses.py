@@ -89,7 +89,7 @@ def context_cache(model: DrafterModel, head: TargetHead, tokens, feats, anchors)
 def _dspark_logits(model: DrafterModel, head, cache, anchors, prev):
     """Teacher-forced DSpark: (logits U_k + B_k [B, L, V], confidence logits [B, L])."""
     cfg = model.cfg
-    h = model.block_hidden(head, cache, anchors, anchors)  # [B, L, D]
+    h = model.block_hidden(head, cache, prev[:, 0], anchors)  # anchor token x*_n at position n → [B, L, D]
     U = head.logits(h)
     if cfg.head == "none":
         return U, None
