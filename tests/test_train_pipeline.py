@@ -255,7 +255,7 @@ def test_qwen3_8b_pod_config_train_step_eval_shape():
     assert "fsdp" in tuple(tree_specs(tp, shape)["embed"])
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
 def test_teacher_forced_training_logits_equal_the_inference_draft(tiny, kind):
     """Slot 0 of the training forward (context = positions < n, anchor token x_n at position n) must give the
     distribution `draft_block` samples from at inference, for every anchor of every sequence."""
@@ -264,11 +264,11 @@ def test_teacher_forced_training_logits_equal_the_inference_draft(tiny, kind):
 
     from dspark_jax.drafter import draft_block
     from dspark_jax.drafter_model import TargetHead
-    from train.losses import _dspark_logits, context_cache
+    from train.losses import _dspark_logits, _eagle_logits, context_cache
 
     target, data = tiny
     extra = {"markov_rank": 8} if kind == "dspark" else {}
-    d = _drafter(target, kind, 4, seed=4, scramble=0.5, num_layers=1, **extra)
+    d = _drafter(target, kind, 4, seed=4, scramble=0.5, **extra)
     batch = next(make_iterator(data, seq_len=32, anchors_per_seq=3, batch_sequences=2, seed=1))
     tokens, anchors = jnp.asarray(batch["tokens"]), jnp.asarray(batch["anchors"])
     S, A = anchors.shape
@@ -279,7 +279,10 @@ def test_teacher_forced_training_logits_equal_the_inference_draft(tiny, kind):
     n = anchors.reshape(-1)
     rows = jnp.repeat(tokens, A, axis=0)
     prev = jnp.take_along_axis(rows, n[:, None] + jnp.arange(4)[None], axis=1)
-    train_logits, _ = _dspark_logits(model, head, cache, n, prev)
+    if kind == "eagle3":
+        train_logits = _eagle_logits(model, head, cache, prev)
+    else:
+        train_logits, _ = _dspark_logits(model, head, cache, n, prev)
     ones = jnp.ones((S * A,), jnp.float32)
     _, q, _ = draft_block(d.graphdef, d.params, head, cache, prev[:, 0], jax.random.split(jax.random.key(0), S * A),
                           ones, jnp.zeros((S * A,), jnp.int32), ones, "reference")
