@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=128)
     c.add_argument("--report", default=None, help="directory for calibration.json and reliability.png")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype to store the calibrated drafter's parameters in (default: %(default)s, as shipped)")
     c.set_defaults(func=_calibrate)
 
     e = sub.add_parser("eval", help="τ per domain and conditional acceptance at T=1, fixed block")

@@ -146,8 +146,7 @@ def calibrate_cli(args) -> None:
     drafter_dir = resolve_drafter(args.drafter)
     out = args.out or drafter_dir
     calibrated = drafter.with_config(calibration=tuple(float(t) for t in temps))
-    dtype = _stored_dtype(drafter_dir)
-    calibrated.save(out, dtype=dtype)
+    calibrated.save(out, dtype=args.dtype)
     rep_dir = args.report or out
     os.makedirs(rep_dir, exist_ok=True)
     with open(os.path.join(rep_dir, "calibration.json"), "w") as f:
@@ -158,22 +157,3 @@ def calibrate_cli(args) -> None:
     print(f"temperatures: {[round(t, 3) for t in temps]}")
     print(f"held-out mean |predicted − observed| survival: {h['mean_gap_before']:.4f} → {h['mean_gap_after']:.4f}; "
           f"pooled ECE {h['ece_pooled_before']:.4f} → {h['ece_pooled_after']:.4f}")
-
-
-def _stored_dtype(path: str) -> str | None:
-    """The dtype a checkpoint was saved in (keep shipped bf16 checkpoints bf16 when rewriting them)."""
-    meta = os.path.join(path, "drafter_config.json")
-    if not os.path.exists(meta):
-        return None
-    try:
-        import orbax.checkpoint as ocp
-
-        with ocp.StandardCheckpointer() as c:
-            md = c.metadata(os.path.join(os.path.abspath(path), "params"))
-        tree = getattr(md, "item_metadata", md)
-        import jax
-
-        dtypes = {str(getattr(x, "dtype", "")) for x in jax.tree.leaves(tree)}
-        return "bfloat16" if "bfloat16" in dtypes else None
-    except Exception:  # noqa: BLE001  metadata layout differs across orbax versions: keep f32
-        return None
