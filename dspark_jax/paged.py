@@ -70,6 +70,39 @@ def gather_contiguous(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
     return g.transpose(0, 2, 1, 3, 4).reshape(B, K, M * ps, H)
 
 
+def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *, max_q_len: int):
+    """Plain-jnp ragged paged attention, vectorised over requests (the CPU path; the Pallas kernel serves
+    GPU/TPU and `ragged_verify_attention_reference` stays the oracle). Same contract as the kernel:
+    q [T, N, H], pages [P, K, page_size, H], block_tables [R, M], context_lens [R], query_start [R+1] → [T, N, H].
+
+    Each request's ≤ max_q_len queries are gathered into a dense [R, Q, N, H] block and its pages into
+    [R, K, S, H] (S = M · page_size), so one batched einsum per layer replaces a loop over requests.
+    """
+    T, N, H = q.shape
+    P, K, ps, _ = k_pages.shape
+    R, M = block_tables.shape
+    G, Q = N // K, max_q_len
+    i = jnp.arange(Q, dtype=jnp.int32)
+    q_len = query_start[1:] - query_start[:-1]  # [R]
+    rows = query_start[:-1, None] + i  # [R, Q]
+    valid = i[None] < q_len[:, None]
+    qr = q[jnp.clip(rows, 0, T - 1)].reshape(R, Q, K, G, H)
+    pages = jnp.clip(block_tables, 0, P - 1)
+    k = k_pages[pages].transpose(0, 2, 1, 3, 4).reshape(R, K, M * ps, H)
+    v = v_pages[pages].transpose(0, 2, 1, 3, 4).reshape(R, K, M * ps, H)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = jnp.einsum("RQKGH,RKSH->RQKGS", qr, k, preferred_element_type=jnp.float32, precision=precision)
+    s = s / jnp.sqrt(jnp.float32(H))
+    pos = (context_lens - q_len)[:, None] + i  # absolute position of each query [R, Q]
+    visible = jnp.arange(M * ps)[None, None, :] <= pos[:, :, None]  # [R, Q, S]
+    s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(valid[:, :, None, None, None], p, 0.0)  # padding queries (and their NaN rows) → 0
+    o = jnp.einsum("RQKGS,RKSH->RQKGH", p, v.astype(jnp.float32), precision=precision).reshape(R * Q, N, H)
+    dest = jnp.where(valid, rows, T).reshape(-1)  # T = dropped
+    return jnp.zeros((T, N, H), jnp.float32).at[dest].set(o, mode="drop").astype(q.dtype)
+
+
 def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, block_tables, context_lens,
                         query_start, *, max_q_len: int, hidden_layers: tuple[int, ...] = (),
                         kernels: str = "auto"):
@@ -97,8 +130,12 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
         q, k, v = layer.attn.qkv(layer.attn_norm(x))
         q, k = apply_rope(q, pos[None], inv_freq), apply_rope(k, pos[None], inv_freq)
         k_pages, v_pages = write_pages(kv.k[i], k[0], page, off), write_pages(kv.v[i], v[0], page, off)
-        a = kernels_lib.ragged_attention(q[0], k_pages, v_pages, block_tables, context_lens, query_start,
-                                         max_q_len=max_q_len, use_kernel=use_kernel)
+        if use_kernel:
+            a = kernels_lib.ragged_attention(q[0], k_pages, v_pages, block_tables, context_lens, query_start,
+                                             max_q_len=max_q_len, use_kernel=True)
+        else:
+            a = batched_ragged_attention(q[0], k_pages, v_pages, block_tables, context_lens, query_start,
+                                         max_q_len=max_q_len)
         x = x + layer.attn.out(a[None])
         x = x + layer.mlp(layer.mlp_norm(x))
         ks.append(k_pages)
@@ -136,5 +173,5 @@ def drafter_cache_view(kv: PagedKV, block_tables, lengths, hidden_size: int) -> 
                         last_feature=jnp.zeros((B, hidden_size), kv.k[0].dtype))
 
 
-__all__ = ["PagedKV", "drafter_cache_view", "drafter_write_flat", "gather_contiguous", "page_slots",
-           "target_forward_flat", "write_pages"]
+__all__ = ["PagedKV", "batched_ragged_attention", "drafter_cache_view", "drafter_write_flat", "gather_contiguous",
+           "page_slots", "target_forward_flat", "write_pages"]
