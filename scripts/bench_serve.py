@@ -24,16 +24,16 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def prompts_for(target, n: int, seed: int) -> list[list[int]]:
+def prompts_for(target, n: int, seed: int, max_len: int) -> list[list[int]]:
+    """n chat-templated held-out prompts of at most max_len tokens, mixed over the three domains."""
     from train import datasets
 
-    per = -(-n // 3)
-    texts = []
+    ids = []
     for d in datasets.DOMAINS:
-        texts += datasets.load_prompts("eval", d, per, seed=seed)
-    rng = np.random.default_rng(seed)
-    rng.shuffle(texts)
-    return [target.chat_ids(t) for t in texts[:n]]
+        ids += [x for x in (target.chat_ids(t) for t in datasets.load_prompts("eval", d, 2 * n, seed=seed))
+                if len(x) <= max_len][: -(-n // 3)]
+    order = np.random.default_rng(seed).permutation(len(ids))
+    return [ids[i] for i in order[:n]]
 
 
 def run_wave(engine, prompts, max_tokens: int, temperature: float) -> dict:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     target = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
-    prompts = prompts_for(target, max(args.concurrency), args.seed)
+    prompts = prompts_for(target, max(args.concurrency), args.seed, args.max_model_len - args.max_tokens)
     results, sps_tables, runners = {}, {}, {}
     for sched in args.schedulers:
         t0 = time.perf_counter()
