@@ -38,7 +38,7 @@ from dspark_jax.drafter import draft_block
 from dspark_jax.drafter_model import DrafterModel, TargetHead
 from dspark_jax.sampling import all_greedy, filter_probs
 from dspark_jax.scheduling import fixed_lengths, prefix_schedule, survival, threshold_lengths
-from dspark_jax.verification import greedy_verify, verify
+from dspark_jax.verification import acceptance_counts, greedy_verify, verify
 
 POLICY_KINDS = ("fixed", "threshold", "dspark-sync")
 
@@ -182,11 +182,9 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
             taken = track.push(b, emitted[b, : num_emitted[b]])
             if taken and on_tokens is not None:
                 on_tokens(b, taken)
-        # Position-wise conditional acceptance (paper Fig. 2): position k was reached if ℓ ≥ k and k−1 accepted.
-        k = np.arange(1, L + 1)
-        reached = live[:, None] & (lengths[:, None] >= k) & (m[:, None] >= k - 1)
-        attempts += reached.sum(0)
-        accepts += (reached & (m[:, None] >= k)).sum(0)
+        tried, took = acceptance_counts(lengths, m, live, L)  # position-wise conditional acceptance (Fig. 2)
+        attempts += tried
+        accepts += took
         emitted_total += int(num_emitted[live].sum())
         row_rounds += int(live.sum())
     t2 = time.perf_counter()

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax.sampling import sample
 
@@ -155,3 +156,14 @@ def greedy_verify(target_tokens: jax.Array, draft_tokens: jax.Array, lengths: ja
     # Accepted draft tokens equal the target's, so the emitted row is the target's up to num_accepted.
     emitted = jnp.where(pos <= num_accepted[:, None], target_tokens, -1).astype(jnp.int32)
     return VerifyResult(emitted, num_accepted + 1, num_accepted)
+
+
+def acceptance_counts(lengths, num_accepted, live, block_size: int):
+    """Host-side position-wise counts (paper Fig. 2) for one round: draft position k was *reached* when it was
+    verified (ℓ ≥ k) and tokens 1..k−1 were accepted (m ≥ k−1), and *accepted* when also m ≥ k.
+
+    Args: lengths ℓ, num_accepted m, live (bool) — numpy [B]. Returns (attempts, accepts) int64 [L].
+    """
+    k = np.arange(1, block_size + 1)
+    reached = live[:, None] & (lengths[:, None] >= k) & (num_accepted[:, None] >= k - 1)
+    return reached.sum(0).astype(np.int64), (reached & (num_accepted[:, None] >= k)).sum(0).astype(np.int64)

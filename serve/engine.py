@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
 from serve.scheduler import SchedulerSpec, dspark_capacity, host_lengths, pick_bucket, token_sps_table
 from serve.types import EngineRequest, RequestOutput
@@ -245,7 +246,7 @@ class EngineCore:
         b = self._slot_batch(running)
         R = len(running)
         spec = self.spec
-        drafts = budget = lengths = None
+        drafts = budget = lengths = dev = None
         if spec.kind == "dspark":
             stale = self._stale_confidence(running)
             budget = min(dspark_capacity(stale, b.active, self.L, self.sps_table), self.capacities[-1] - R)
@@ -253,12 +254,12 @@ class EngineCore:
         else:
             conf = None
             if spec.syncs_on_drafts:
-                dev = self.runner._device_batch(b)
+                dev = self.runner.device_batch(b)
                 drafts = self.runner.draft(b, dev)
                 conf = np.asarray(drafts[2])
             lengths = host_lengths(spec, conf, b.active, self.L, self.sps_table)
             capacity = pick_bucket(int(R + lengths.sum()), self.capacities)
-        res = self.runner.step(b, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts,
+        res = self.runner.step(b, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts, dev=dev,
                                want_confidence=spec.kind == "dspark")
         if res.confidence is not None:
             self._conf_history.append(({r.slot: r.rid for r in running}, res.confidence))
@@ -266,14 +267,13 @@ class EngineCore:
         self.stats["verify_tokens_total"] += int(R + res.lengths[b.active].sum())
         self.stats["capacity_tokens_total"] += capacity
         self.stats["row_steps_total"] += R
+        if self.L:
+            tried, took = acceptance_counts(res.lengths, res.num_accepted, b.active, self.L)
+            self.attempts += tried
+            self.accepts += took
         for r in list(running):
             s = r.slot
-            m, ell = int(res.num_accepted[s]), int(res.lengths[s])
-            k = np.arange(1, self.L + 1)
-            if self.L:
-                reached = (ell >= k) & (m >= k - 1)
-                self.attempts += reached
-                self.accepts += reached & (m >= k)
+            m = int(res.num_accepted[s])
             emitted = [int(t) for t in res.emitted[s, : res.num_emitted[s]]]
             self.stats["emitted_total"] += len(emitted)
             r.rounds += 1

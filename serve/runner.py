@@ -179,7 +179,8 @@ class ModelRunner:
             jnp.int32(top_k), jnp.float32(top_p))
         return int(tok)
 
-    def _device_batch(self, b: SlotBatch) -> dict:
+    def device_batch(self, b: SlotBatch) -> dict:
+        """The slot arrays on device (uploaded once per step; `draft` and `step` share them)."""
         return {"active": jnp.asarray(b.active), "lengths": jnp.asarray(b.lengths, jnp.int32),
                 "anchors": jnp.asarray(b.anchors, jnp.int32), "block_tables": jnp.asarray(b.block_tables, jnp.int32),
                 "temperature": jnp.asarray(b.temperature, jnp.float32), "top_k": jnp.asarray(b.top_k, jnp.int32),
@@ -192,9 +193,9 @@ class ModelRunner:
                            dev["anchors"], dev["keys"], dev["rounds"], dev["temperature"], dev["top_k"], dev["top_p"])
 
     def step(self, b: SlotBatch, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
-             drafts=None, want_confidence: bool = False) -> StepResult:
+             drafts=None, dev: dict | None = None, want_confidence: bool = False) -> StepResult:
         """One verification pass. Exactly one of `lengths` (host ℓ per slot) and `budget` (K for top-K fill)."""
-        dev = self._device_batch(b)
+        dev = self.device_batch(b) if dev is None else dev
         if self.drafter is not None and drafts is None:
             drafts = self.draft(b, dev)
         if drafts is None:  # target only

@@ -128,7 +128,7 @@ class MockRunner:
                          temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
                          keys=np.zeros((B, 2), np.uint32), rounds=np.zeros(B, np.int32))
 
-    def _device_batch(self, b: SlotBatch) -> dict:
+    def device_batch(self, b: SlotBatch) -> dict:
         return {"host": b}
 
     def draft(self, b: SlotBatch, dev):
@@ -143,7 +143,8 @@ class MockRunner:
             conf[s] = self.conf(t, int(s), seed, rnd)
         return draft, None, conf
 
-    def step(self, b: SlotBatch, *, capacity, lengths=None, budget=None, drafts=None, want_confidence=False):
+    def step(self, b: SlotBatch, *, capacity, lengths=None, budget=None, drafts=None, dev=None,
+             want_confidence=False):
         if len(self.passes) == self.fail_at_pass:
             raise RuntimeError("mock device error")
         assert (lengths is None) != (budget is None), "exactly one of lengths and budget"

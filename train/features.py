@@ -71,11 +71,10 @@ def featurize(data_dir: str, target, layers: tuple[int, ...], *, batch_size: int
         return model(tokens, model.init_cache(*tokens.shape), hidden_layers=tuple(layers), compute_logits=False)
 
     total = 0
-    for path in files:
+    for path in files:  # record counts only, for the progress bar
         reader = ArrayRecordReader(path)
-        recs = [decode_record(r) for r in reader.read_all()]
+        total += reader.num_records()
         reader.close()
-        total += len(recs)
     bar = tqdm(total=total, desc="target features", unit="seq", disable=not progress)
     for path in files:
         reader = ArrayRecordReader(path)
