@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspark_jax import kernels as kernels_lib
-from dspark_jax.drafter_model import DrafterCache, DrafterModel
+from dspark_jax.drafter_model import DrafterModel
 from dspark_jax.layers import apply_rope, rope_inv_freq
 from dspark_jax.model import Decoder
 
@@ -62,43 +62,116 @@ def write_pages(pages: jax.Array, new: jax.Array, page, offset) -> jax.Array:
     return pages.at[page, :, offset].set(new.astype(pages.dtype), mode="drop")
 
 
-def gather_contiguous(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """A contiguous view [B, K, S, H] (S = max_pages · page_size) of each slot's pages (drafter attention)."""
-    P, K, ps, H = pages.shape
-    B, M = block_tables.shape
-    g = pages[jnp.clip(block_tables, 0, P - 1)]  # [B, M, K, ps, H]
-    return g.transpose(0, 2, 1, 3, 4).reshape(B, K, M * ps, H)
+def _chunk_positions(page_size: int, chunk_tokens: int) -> int:
+    """Pages per loop iteration of `paged_attention_partial` (at least one page)."""
+    return max(1, chunk_tokens // page_size)
 
 
-def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *, max_q_len: int):
-    """Plain-jnp ragged paged attention, vectorised over requests (the CPU path; the Pallas kernel serves
-    GPU/TPU and `ragged_verify_attention_reference` stays the oracle). Same contract as the kernel:
+def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_pos=None, *,
+                            chunk_tokens: int = 256):
+    """Online-softmax attention of dense query blocks over each request's *used* pages (the CPU path).
+
+    A `lax.while_loop` walks the page tables in chunks of `chunk_tokens` positions up to the longest context
+    of the batch, so the cost follows the live context lengths, not `max_model_len`, and one compiled program
+    serves every length. Keys at positions ≥ context_lens[r] are masked in the scores *and* their values are
+    zeroed, so whatever a page held before (another request's values, even NaN) cannot leak into the output.
+
+    Args:
+        q: [R, Q, N, H] queries of request r.
+        k_pages, v_pages: [P, K, page_size, H].
+        block_tables: int32 [R, M]; context_lens: int32 [R] (keys 0..context_lens[r]−1 exist).
+        q_pos: int32 [R, Q] absolute query positions for a causal mask (key pos ≤ query pos), or None
+            (every existing key visible: the drafter's context).
+        chunk_tokens: positions gathered per iteration.
+
+    Returns:
+        (acc [R, Q, K, G, H] f32 unnormalised, running max m [R, Q, K, G], denominator l [R, Q, K, G]);
+        `finish_attention` turns them into outputs, `merge_block_keys` adds a dense block of extra keys first.
+    """
+    R, Q, N, H = q.shape
+    P, K, ps, _ = k_pages.shape
+    M = block_tables.shape[1]
+    G = N // K
+    cp = _chunk_positions(ps, chunk_tokens)
+    S = cp * ps
+    qg = q.reshape(R, Q, K, G, H).astype(jnp.float32) / jnp.sqrt(jnp.float32(H))
+    precision = jax.lax.Precision.HIGHEST
+    num_chunks = (jnp.max(context_lens) + S - 1) // S
+
+    def body(c, state):
+        acc, m, l = state
+        idx = jnp.clip(c * cp + jnp.arange(cp), 0, M - 1)
+        pages = jnp.clip(block_tables[:, idx], 0, P - 1)  # [R, cp]
+        kpos = c * S + jnp.arange(S)  # [S]
+        exists = kpos[None] < context_lens[:, None]  # [R, S]
+        k = k_pages[pages].transpose(0, 2, 1, 3, 4).reshape(R, K, S, H).astype(jnp.float32)
+        v = v_pages[pages].transpose(0, 2, 1, 3, 4).reshape(R, K, S, H).astype(jnp.float32)
+        k = jnp.where(exists[:, None, :, None], k, 0.0)
+        v = jnp.where(exists[:, None, :, None], v, 0.0)
+        s = jnp.einsum("RQKGH,RKSH->RQKGS", qg, k, precision=precision)
+        visible = jnp.broadcast_to(exists[:, None, :], (R, Q, S))
+        if q_pos is not None:
+            visible = visible & (kpos[None, None, :] <= q_pos[:, :, None])
+        s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
+        return _online_update(acc, m, l, s, v)
+
+    init = (jnp.zeros((R, Q, K, G, H), jnp.float32), jnp.full((R, Q, K, G), -jnp.inf, jnp.float32),
+            jnp.zeros((R, Q, K, G), jnp.float32))
+    return jax.lax.fori_loop(0, num_chunks, body, init)
+
+
+def _online_update(acc, m, l, s, v):
+    """One online-softmax step: scores s [R, Q, K, G, S] (−inf = hidden) and values v [R, K, S, H]."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])  # hidden keys: exp(−inf) = 0
+    scale = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+    l = l * scale + jnp.sum(p, axis=-1)
+    acc = acc * scale[..., None] + jnp.einsum("RQKGS,RKSH->RQKGH", p, v, precision=jax.lax.Precision.HIGHEST)
+    return acc, m_new, l
+
+
+def merge_block_keys(state, q, k, v, mask):
+    """Adds a dense block of keys to an online-softmax state: q [R, Q, N, H], k, v [R, T, K, H],
+    mask bool [R, Q, T] (True = visible). Used by the drafter, whose block also attends to itself."""
+    acc, m, l = state
+    R, Q, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(R, Q, K, N // K, H).astype(jnp.float32) / jnp.sqrt(jnp.float32(H))
+    s = jnp.einsum("RQKGH,RTKH->RQKGT", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
+    return _online_update(acc, m, l, s, v.astype(jnp.float32).transpose(0, 2, 1, 3))
+
+
+def finish_attention(state, dtype) -> jax.Array:
+    """Online-softmax state → outputs [R, Q, N, H]; a query that saw no key gets zeros."""
+    acc, _, l = state
+    R, Q, K, G, H = acc.shape
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return o.reshape(R, Q, K * G, H).astype(dtype)
+
+
+def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *, max_q_len: int,
+                             chunk_tokens: int = 256):
+    """Plain-jnp ragged paged attention (the CPU path; the Pallas kernel serves GPU/TPU and
+    `ragged_verify_attention_reference` stays the oracle). Same contract as the kernel:
     q [T, N, H], pages [P, K, page_size, H], block_tables [R, M], context_lens [R], query_start [R+1] → [T, N, H].
 
-    Each request's ≤ max_q_len queries are gathered into a dense [R, Q, N, H] block and its pages into
-    [R, K, S, H] (S = M · page_size), so one batched einsum per layer replaces a loop over requests.
+    Each request's ≤ max_q_len queries are gathered into a dense [R, Q, N, H] block; attention then walks only
+    the pages in use (`paged_attention_partial`), causally by absolute position.
     """
     T, N, H = q.shape
-    P, K, ps, _ = k_pages.shape
-    R, M = block_tables.shape
-    G, Q = N // K, max_q_len
+    Q = max_q_len
     i = jnp.arange(Q, dtype=jnp.int32)
     q_len = query_start[1:] - query_start[:-1]  # [R]
     rows = query_start[:-1, None] + i  # [R, Q]
     valid = i[None] < q_len[:, None]
-    qr = q[jnp.clip(rows, 0, T - 1)].reshape(R, Q, K, G, H)
-    pages = jnp.clip(block_tables, 0, P - 1)
-    k = k_pages[pages].transpose(0, 2, 1, 3, 4).reshape(R, K, M * ps, H)
-    v = v_pages[pages].transpose(0, 2, 1, 3, 4).reshape(R, K, M * ps, H)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    s = jnp.einsum("RQKGH,RKSH->RQKGS", qr, k, preferred_element_type=jnp.float32, precision=precision)
-    s = s / jnp.sqrt(jnp.float32(H))
+    qr = q[jnp.clip(rows, 0, T - 1)]  # [R, Q, N, H]
     pos = (context_lens - q_len)[:, None] + i  # absolute position of each query [R, Q]
-    visible = jnp.arange(M * ps)[None, None, :] <= pos[:, :, None]  # [R, Q, S]
-    s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(valid[:, :, None, None, None], p, 0.0)  # padding queries (and their NaN rows) → 0
-    o = jnp.einsum("RQKGS,RKSH->RQKGH", p, v.astype(jnp.float32), precision=precision).reshape(R * Q, N, H)
+    state = paged_attention_partial(qr, k_pages, v_pages, block_tables, context_lens, pos,
+                                    chunk_tokens=chunk_tokens)
+    o = finish_attention(state, jnp.float32)
+    o = jnp.where(valid[:, :, None, None], o, 0.0).reshape(-1, N, H)
     dest = jnp.where(valid, rows, T).reshape(-1)  # T = dropped
     return jnp.zeros((T, N, H), jnp.float32).at[dest].set(o, mode="drop").astype(q.dtype)
 
@@ -164,14 +237,29 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
     return PagedKV(k=tuple(ks), v=tuple(vs))
 
 
-def drafter_cache_view(kv: PagedKV, block_tables, lengths, hidden_size: int) -> DrafterCache:
-    """The contiguous DrafterCache that `draft_block` reads, gathered from the pages of each slot."""
-    B = block_tables.shape[0]
-    return DrafterCache(k=tuple(gather_contiguous(k, block_tables) for k in kv.k),
-                        v=tuple(gather_contiguous(v, block_tables) for v in kv.v),
-                        lengths=lengths.astype(jnp.int32),
-                        last_feature=jnp.zeros((B, hidden_size), kv.k[0].dtype))
+def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tables, lengths, anchor, *,
+                               chunk_tokens: int = 256):
+    """The drafter's parallel block pass (DrafterModel.block_hidden) reading its injected context from pages.
+
+    anchor [B] sits at position lengths [B] (= committed tokens n); context entries 0..n−1 of row b live in
+    block_tables[b]'s pages. Each block query attends to the whole context (online softmax over used pages
+    only) and bidirectionally to the block. Returns h [B, L, D].
+    """
+    x, positions = model.block_inputs(head, anchor, lengths)
+    B, n_in = positions.shape
+    inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
+    block_mask = jnp.ones((B, n_in, n_in), bool)
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.attn.qkv(layer.attn_norm(x))
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        state = paged_attention_partial(q, kv.k[i], kv.v[i], block_tables, lengths, None,
+                                        chunk_tokens=chunk_tokens)
+        a = finish_attention(merge_block_keys(state, q, k, v, block_mask), x.dtype)
+        x = x + layer.attn.out(a)
+        x = x + layer.mlp(layer.mlp_norm(x))
+    return model.block_output(x)
 
 
-__all__ = ["PagedKV", "batched_ragged_attention", "drafter_cache_view", "drafter_write_flat", "gather_contiguous",
-           "page_slots", "target_forward_flat", "write_pages"]
+__all__ = ["PagedKV", "batched_ragged_attention", "drafter_block_hidden_paged", "drafter_write_flat",
+           "finish_attention", "merge_block_keys", "page_slots", "paged_attention_partial", "target_forward_flat",
+           "write_pages"]

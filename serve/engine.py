@@ -1,6 +1,6 @@
 """The serving engine: continuous batching with chunked prefill, paged KV, preemption and the schedulers.
 
-`EngineCore` is the host-side state machine, driven by `step()`; it talks to a runner (serve/runner.py, or a
+`EngineCore` is the host-side state machine, driven by `step()`; it talks to a runner (dspark_jax/runner.py, or a
 mock in tests) through three calls: `prefill`, `draft` and `step`. `Engine` wraps it in a background thread
 and implements the server contract (serve/types.py). One `step()`:
   1. aborts      — cancelled requests leave at once; their pages return to the free list.
@@ -28,10 +28,11 @@ import time
 
 import numpy as np
 
+from dspark_jax.keys import request_key_data
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
-from serve.scheduler import SchedulerSpec, dspark_capacity, host_lengths, pick_bucket, token_sps_table
-from serve.types import EngineRequest, RequestOutput
+from serve.scheduler import SchedulerSpec, SpsTable, dspark_capacity, host_lengths, pick_bucket
+from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, TokenLogprob
 
 log = logging.getLogger("dspark_jax.serve")
 
@@ -39,13 +40,12 @@ log = logging.getLogger("dspark_jax.serve")
 @dataclasses.dataclass(eq=False)
 class _Req:
     req: EngineRequest
-    key: np.ndarray  # uint32 [2]
+    key: np.ndarray  # uint32 [2] (dspark_jax/keys.py)
     prompt: list[int]  # tokens to (re)compute into the cache
     anchor: int | None = None  # set when resuming after preemption
     generated: list[int] = dataclasses.field(default_factory=list)
     prefilled: int = 0
     committed: int = 0  # n: tokens in the cache
-    slot: int = -1
     rounds: int = 0
     admitted_at: int = 0
     done: bool = False
@@ -55,9 +55,18 @@ class _Req:
         return self.req.request_id
 
 
+def _token_logprob(lp, row: int, col: int | None, k: int) -> TokenLogprob:
+    """TokenLogprob from a pass's logprob arrays (chosen [R, L+1] or [..], top ids/logprobs [.., NTOP])."""
+    chosen, ids, vals = lp
+    idx = (row,) if col is None else (row, col)
+    token_lp = float(chosen[idx])
+    top = tuple((int(i), float(v)) for i, v in zip(ids[idx][:k], vals[idx][:k], strict=True))
+    return token_lp, top
+
+
 class EngineCore:
     def __init__(self, runner, *, scheduler: str, max_batch: int, num_pages: int, page_size: int,
-                 max_model_len: int, eos_token_ids=(), sps: dict[int, float] | None = None):
+                 max_model_len: int, eos_token_ids=(), sps: SpsTable | None = None, max_waiting: int = 1024):
         self.runner = runner
         self.spec = SchedulerSpec.parse(scheduler)
         self.L = runner.L
@@ -66,52 +75,91 @@ class EngineCore:
         if self.spec.needs_confidence and runner.drafter is not None and not runner.drafter.config.confidence:
             raise ValueError(f"scheduler {scheduler!r} needs a confidence head; this "
                              f"{runner.drafter.config.kind} drafter has none")
-        self.B, self.max_model_len = max_batch, max_model_len
+        self.B, self.max_model_len, self.max_waiting = max_batch, max_model_len, max_waiting
+        self.vocab_size = runner.target.config.vocab_size
         self.pages = PageAllocator(num_pages, page_size, runner.max_pages)
         if self.pages.pages_for(max_model_len + self.L + 1) > min(num_pages, runner.max_pages):
             raise ValueError(f"{num_pages} pages of {page_size} (max {runner.max_pages} per request) cannot hold "
                              f"one request of max_model_len={max_model_len} plus a block of {self.L + 1}")
         self.eos = {int(e) for e in eos_token_ids}
         self.capacities = runner.capacities
-        self.set_sps(sps or {c: 1.0 for c in self.capacities})
+        self.set_sps(sps)
         self.waiting: collections.deque[_Req] = collections.deque()
         self.prefilling: list[_Req] = []
         self.running: list[_Req] = []
-        self.slots: list[_Req | None] = [None] * max_batch
         self.by_id: dict[str, _Req] = {}
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self._admit_counter = itertools.count()
-        self._conf_history: collections.deque = collections.deque(maxlen=2)  # (slot owners, conf [B, L])
+        self._conf_history: collections.deque = collections.deque(maxlen=2)  # {rid: conf [L]} per pass
         self.stats = collections.Counter()
         self.attempts, self.accepts = np.zeros(max(self.L, 1), np.int64), np.zeros(max(self.L, 1), np.int64)
 
     # ---- configuration ---------------------------------------------------------------------------------------
-    def set_sps(self, sps: dict[int, float]) -> None:
-        self.sps = {int(k): float(v) for k, v in sps.items()}
-        self.sps_table = token_sps_table([self.sps[c] for c in self.capacities], self.capacities)
+    def set_sps(self, sps: SpsTable | None) -> None:
+        """The cost model the schedulers read (a flat table until one is profiled or loaded)."""
+        if sps is None:
+            sps = SpsTable({(bb, c, 0): 1.0 for bb, c in self.runner.verify_shapes()})
+        self.sps = sps
+        self._token_tables: dict = {}
+
+    def _sps_tokens(self, bb: int, context: int) -> np.ndarray:
+        """Per-token SPS table for this batch bucket at the batch's longest context (cached per 64 positions)."""
+        key = (bb, context // 64)
+        if key not in self._token_tables:
+            self._token_tables[key] = self.sps.token_table(bb, context, self.capacities)
+        return self._token_tables[key]
 
     # ---- thread-safe API -------------------------------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> None:
-        p = request.params
-        n = len(request.prompt_ids)
+    def validate(self, request: EngineRequest) -> EngineRequest:
+        """Checks a request against this engine (token ids, lengths, sampling values) and normalises its
+        sampling parameters: temperature < 1e-5 is greedy, top_k beyond the vocabulary (or −1) is off.
+        Raises ValueError with a message meant for the client."""
+        p, V = request.params, self.vocab_size
+        ids = request.prompt_ids
+        n = len(ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if p.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        bad = next((t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {V})")
+        bad = next((t for t in p.stop_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad!r} is outside the vocabulary [0, {V})")
+        if not isinstance(p.max_tokens, (int, np.integer)) or p.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
         if n + p.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's context of "
                              f"{self.max_model_len} tokens")
-        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
-        key = np.array([0, seed & 0xFFFFFFFF], np.uint32)  # threefry key data of jax.random.key(seed)
-        r = _Req(req=request, key=key, prompt=list(request.prompt_ids))
+        t = float(p.temperature)
+        if not (np.isfinite(t) and t >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
+        if not (np.isfinite(p.top_p) and 0.0 < p.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
+        if not isinstance(p.top_k, (int, np.integer)) or p.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {p.top_k!r}")
+        if p.seed is not None:
+            request_key_data(p.seed)  # raises for seeds outside 64 bits
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs!r}")
+        top_k = 0 if (p.top_k <= 0 or p.top_k >= V) else int(p.top_k)
+        params = dataclasses.replace(p, temperature=0.0 if t < 1e-5 else t, top_k=top_k)
+        return dataclasses.replace(request, prompt_ids=[int(x) for x in ids], params=params)
+
+    def add_request(self, request: EngineRequest) -> None:
+        request = self.validate(request)
+        p = request.params
+        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
+        r = _Req(req=request, key=request_key_data(seed), prompt=list(request.prompt_ids))
         with self._lock:
             if request.request_id in self.by_id:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
             self.by_id[request.request_id] = r
             self.waiting.append(r)
             self.stats["requests_total"] += 1
-            self.stats["prompt_tokens_total"] += n
+            self.stats["prompt_tokens_total"] += len(request.prompt_ids)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -122,18 +170,17 @@ class EngineCore:
             return bool(self.waiting or self.prefilling or self.running or self._aborts)
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
-    def _emit(self, r: _Req, tokens: list[int], finish: str | None = None, error: str | None = None) -> None:
+    def _emit(self, r: _Req, tokens: list[int], finish: str | None = None, error: str | None = None,
+              logprobs=None, status: int | None = None) -> None:
         try:
             r.req.on_output(RequestOutput(request_id=r.rid, token_ids=tuple(tokens), finish_reason=finish,
-                                          error=error))
+                                          error=error, status=status,
+                                          logprobs=tuple(logprobs) if logprobs is not None else None))
         except Exception:  # a broken consumer must not take the engine down
             log.exception("on_output callback of %s failed", r.rid)
 
     def _release(self, r: _Req) -> None:
         self.pages.free(r.rid)
-        if r.slot >= 0:
-            self.slots[r.slot] = None
-            r.slot = -1
         for lst in (self.prefilling, self.running):
             if r in lst:
                 lst.remove(r)
@@ -141,29 +188,32 @@ class EngineCore:
             if r in self.waiting:
                 self.waiting.remove(r)
 
-    def _finish(self, r: _Req, tokens: list[int], reason: str, error: str | None = None) -> None:
+    def _finish(self, r: _Req, tokens: list[int], reason: str, error: str | None = None, logprobs=None,
+                status: int | None = None) -> None:
         r.done = True
         self._release(r)
         with self._lock:
             self.by_id.pop(r.rid, None)
-        self._emit(r, tokens, reason, error)
+        self._emit(r, tokens, reason, error, logprobs, status)
 
-    def _take(self, r: _Req, tokens) -> tuple[list[int], str | None]:
-        """Appends emitted tokens up to a stop; returns (tokens to stream, finish reason or None)."""
+    def _take(self, r: _Req, tokens, logprobs=None) -> tuple[list[int], list | None, str | None]:
+        """Appends emitted tokens up to a stop; returns (tokens to stream, their logprobs, finish reason)."""
         p = r.req.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
-        out = []
-        for t in tokens:
+        out, lps = [], ([] if p.logprobs is not None else None)
+        for i, t in enumerate(tokens):
             t = int(t)
             if t in stops:
-                return out, "stop"
+                return out, lps, "stop"
             r.generated.append(t)
             out.append(t)
+            if lps is not None:
+                lps.append(logprobs[i])
             if len(r.generated) >= p.max_tokens:
-                return out, "length"
+                return out, lps, "length"
             if len(r.req.prompt_ids) + len(r.generated) >= self.max_model_len:
-                return out, "length"
-        return out, None
+                return out, lps, "length"
+        return out, lps, None
 
     def _process_aborts(self) -> None:
         with self._lock:
@@ -175,13 +225,11 @@ class EngineCore:
                 self._finish(r, [], "abort")
 
     def _admit(self) -> None:
-        while self.waiting and None in self.slots:
+        while self.waiting and len(self.prefilling) + len(self.running) < self.B:
             r = self.waiting[0]
             if not self.pages.ensure(r.rid, len(r.prompt) + self.L + 1):
                 break
             self.waiting.popleft()
-            r.slot = self.slots.index(None)
-            self.slots[r.slot] = r
             r.admitted_at = next(self._admit_counter)
             r.prefilled = 0
             self.prefilling.append(r)
@@ -190,8 +238,9 @@ class EngineCore:
         r = self.prefilling[0]
         chunk = r.prompt[r.prefilled : r.prefilled + self.runner.chunk_sizes[-1]]
         p = r.req.params
-        tok = self.runner.prefill(chunk, r.prefilled, self.pages.table_row(r.rid, self.pages.num_pages), r.key,
-                                  p.temperature, p.top_k, p.top_p)
+        want_lp = p.logprobs is not None and r.anchor is None
+        tok, lp = self.runner.prefill(chunk, r.prefilled, self.pages.table_row(r.rid, self.pages.num_pages), r.key,
+                                      p.temperature, p.top_k, p.top_p, logprobs=want_lp)
         r.prefilled += len(chunk)
         self.stats["prefill_chunks_total"] += 1
         if r.prefilled < len(r.prompt):
@@ -199,12 +248,16 @@ class EngineCore:
         self.prefilling.pop(0)
         r.committed = len(r.prompt)
         if r.anchor is None:  # a fresh request: the prefill's token is its first output
-            out, reason = self._take(r, [tok])
+            lps = [TokenLogprob(token_id=tok, logprob=float(lp[0]),
+                                top=tuple((int(i), float(v)) for i, v in zip(lp[1][: p.logprobs],
+                                                                              lp[2][: p.logprobs], strict=True)))
+                   ] if want_lp else None
+            out, lps, reason = self._take(r, [tok], lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
-                self._finish(r, out, reason)
+                self._finish(r, out, reason, logprobs=lps)
                 return
-            self._emit(r, out)
+            self._emit(r, out, logprobs=lps)
             r.anchor = tok
         self.running.append(r)
 
@@ -226,30 +279,32 @@ class EngineCore:
             if not self.running:
                 return []
 
-    def _slot_batch(self, running):
-        b = self.runner.idle_batch()
-        for r in running:
-            s = r.slot
+    def _step_batch(self, running):
+        """The running requests compacted into rows 0..R−1 of the smallest batch bucket that holds them."""
+        b = self.runner.empty_batch(len(running))
+        for i, r in enumerate(running):
             p = r.req.params
-            b.active[s] = True
-            b.lengths[s], b.anchors[s] = r.committed, r.anchor
-            b.block_tables[s] = self.pages.table_row(r.rid, self.pages.num_pages)
-            b.temperature[s], b.top_k[s], b.top_p[s] = p.temperature, p.top_k, p.top_p
-            b.keys[s], b.rounds[s] = r.key, r.rounds + 1
+            b.lengths[i], b.anchors[i] = r.committed, r.anchor
+            b.block_tables[i] = self.pages.table_row(r.rid, self.pages.num_pages)
+            b.temperature[i], b.top_k[i], b.top_p[i] = p.temperature, p.top_k, p.top_p
+            b.keys[i], b.rounds[i] = r.key, r.rounds + 1
+            b.logprobs[i] = p.logprobs is not None
         return b
 
     def _decode(self) -> None:
         need = {r.rid: r.committed + self.L + 1 for r in self.running}
-        running = self._preempt_for(need)
+        running = list(self._preempt_for(need))
         if not running:
             return
-        b = self._slot_batch(running)
-        R = len(running)
+        b = self._step_batch(running)
+        R, Bb = len(running), b.lengths.shape[0]
+        active = b.active
         spec = self.spec
         drafts = budget = lengths = dev = None
+        sps = self._sps_tokens(Bb, int(b.lengths[:R].max()))
         if spec.kind == "dspark":
-            stale = self._stale_confidence(running)
-            budget = min(dspark_capacity(stale, b.active, self.L, self.sps_table), self.capacities[-1] - R)
+            stale = self._stale_confidence(running, Bb)
+            budget = min(dspark_capacity(stale, active, self.L, sps), self.capacities[-1] - R)
             capacity = pick_bucket(R + budget, self.capacities)
         else:
             conf = None
@@ -257,44 +312,51 @@ class EngineCore:
                 dev = self.runner.device_batch(b)
                 drafts = self.runner.draft(b, dev)
                 conf = np.asarray(drafts[2])
-            lengths = host_lengths(spec, conf, b.active, self.L, self.sps_table)
+            lengths = host_lengths(spec, conf, active, self.L, sps)
             capacity = pick_bucket(int(R + lengths.sum()), self.capacities)
         res = self.runner.step(b, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts, dev=dev,
                                want_confidence=spec.kind == "dspark")
         if res.confidence is not None:
-            self._conf_history.append(({r.slot: r.rid for r in running}, res.confidence))
+            self._conf_history.append({r.rid: res.confidence[i] for i, r in enumerate(running)})
         self.stats["steps_total"] += 1
-        self.stats["verify_tokens_total"] += int(R + res.lengths[b.active].sum())
+        self.stats["verify_tokens_total"] += int(R + res.lengths[:R].sum())
         self.stats["capacity_tokens_total"] += capacity
         self.stats["row_steps_total"] += R
         if self.L:
-            tried, took = acceptance_counts(res.lengths, res.num_accepted, b.active, self.L)
+            tried, took = acceptance_counts(res.lengths[:R], res.num_accepted[:R], np.ones(R, bool), self.L)
             self.attempts += tried
             self.accepts += took
-        for r in list(running):
-            s = r.slot
-            m = int(res.num_accepted[s])
-            emitted = [int(t) for t in res.emitted[s, : res.num_emitted[s]]]
+        for i, r in enumerate(running):
+            m = int(res.num_accepted[i])
+            ne = int(res.num_emitted[i])
+            emitted = [int(t) for t in res.emitted[i, :ne]]
+            k = r.req.params.logprobs
+            lps = None
+            if k is not None and res.logprobs is not None:
+                lps = []
+                for j in range(ne):
+                    token_lp, top = _token_logprob(res.logprobs, i, j, k)
+                    lps.append(TokenLogprob(token_id=emitted[j], logprob=token_lp, top=top))
             self.stats["emitted_total"] += len(emitted)
             r.rounds += 1
             r.committed += m + 1
             r.anchor = emitted[-1]
-            out, reason = self._take(r, emitted)
+            out, lps, reason = self._take(r, emitted, lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
-                self._finish(r, out, reason)
+                self._finish(r, out, reason, logprobs=lps)
             elif out:
-                self._emit(r, out)
+                self._emit(r, out, logprobs=lps)
 
-    def _stale_confidence(self, running):
-        """Confidences two steps old, per slot; rows whose slot changed owner since then count as unknown (1)."""
+    def _stale_confidence(self, running, Bb: int):
+        """Confidences two passes old for the rows [Bb, L]; a request without one yet counts as unknown (1)."""
         if len(self._conf_history) < 2:
             return None
-        owners, conf = self._conf_history[0]
-        conf = conf.copy()
-        for r in running:
-            if owners.get(r.slot) != r.rid:
-                conf[r.slot] = 1.0
+        old = self._conf_history[0]
+        conf = np.ones((Bb, self.L), np.float32)
+        for i, r in enumerate(running):
+            if r.rid in old:
+                conf[i] = old[r.rid]
         return conf
 
     def step(self) -> bool:
@@ -304,7 +366,14 @@ class EngineCore:
             self._admit()
         worked = False
         if self.prefilling:
-            self._prefill_one()
+            r = self.prefilling[0]
+            try:
+                self._prefill_one()
+            except Exception as e:  # noqa: BLE001 — one request's prefill failing fails that request alone
+                if not _is_request_error(e):
+                    raise
+                log.warning("request %s failed in prefill: %s", r.rid, e)
+                self._finish(r, [], "abort", error=f"prefill failed: {e}", status=400)
             worked = True
         if self.running:
             self._decode()
@@ -314,7 +383,7 @@ class EngineCore:
     def fail_all(self, message: str) -> None:
         for r in list(self.by_id.values()):
             if not r.done:
-                self._finish(r, [], "abort", error=message)
+                self._finish(r, [], "abort", error=message, status=500)
 
     def metrics(self) -> dict:
         s = self.stats
@@ -326,17 +395,29 @@ class EngineCore:
             "tokens_per_step": s["emitted_total"] / rows,
             "acceptance_per_position": (self.accepts / np.maximum(self.attempts, 1)).tolist() if self.L else [],
             "verify_tokens_per_pass": s["verify_tokens_total"] / max(s["steps_total"], 1),
-            "sps_table": dict(self.sps), "free_pages": self.pages.num_free, "total_pages": self.pages.num_pages,
+            "sps_table": {f"{b}x{c}@{x}": v for (b, c, x), v in sorted(self.sps.entries.items())},
+            "free_pages": self.pages.num_free, "total_pages": self.pages.num_pages,
             "preemptions_total": s["preemptions_total"], "aborted_total": s["aborted_total"],
         }
 
 
+def _is_request_error(e: Exception) -> bool:
+    """Errors a request's own values can cause on the host side (the device programs never raise for values)."""
+    return isinstance(e, (ValueError, OverflowError, TypeError, IndexError))
+
+
 class Engine:
-    """EngineCore in a background thread: the object the HTTP server talks to (serve/types.EngineLike)."""
+    """EngineCore in a background thread: the object the HTTP server talks to (serve/types.EngineLike).
+
+    If the loop itself dies (a device error), every request is failed with a 500 and, when `exit_on_fatal` is
+    set (the real server sets it), the process exits with status 70 so a supervisor restarts it: never a live
+    process that answers 503 forever."""
 
     def __init__(self, core: EngineCore, *, model_name: str, tokenizer=None, chat_template=None):
         self.core, self.model_name, self.tokenizer, self.chat_template = core, model_name, tokenizer, chat_template
         self.max_model_len = core.max_model_len
+        self.vocab_size = core.vocab_size
+        self.exit_on_fatal = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
@@ -363,9 +444,13 @@ class Engine:
                 if not self.core.step():
                     self._wake.wait(0.05)
                     self._wake.clear()
-        except Exception as e:  # a device error: fail every request loudly rather than hang them
+        except BaseException as e:  # a device error: fail every request loudly rather than hang them
             log.exception("engine loop died")
+            self._alive = False
             self.core.fail_all(f"engine error: {type(e).__name__}: {e}")
+            if self.exit_on_fatal:
+                logging.shutdown()
+                os._exit(70)
         finally:
             self._alive = False
 
@@ -398,73 +483,138 @@ class Engine:
 
 
 def capacity_buckets(max_batch: int, block_size: int) -> tuple[int, ...]:
-    """Static verification capacities: powers of two from 4 up to, and including, max_batch · (L + 1)."""
-    top = max_batch * (block_size + 1)
-    return tuple(sorted({c for c in (4, 8, 16, 32, 64, 128, 256, 512, 1024) if c < top} | {top}))
+    """Static verification capacities: powers of two up to, and including, max_batch · (L + 1)."""
+    from dspark_jax.runner import pow2_buckets
+
+    return pow2_buckets(max_batch * (block_size + 1))
 
 
-def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None = "smollm2-135m-instruct/dspark",
-                  scheduler: str = "dspark", max_batch: int = 16, max_model_len: int = 2048, page_size: int = 16,
-                  num_pages: int | None = None, kernels: str = "auto", mesh_shape: tuple[int, int] = (1, 1),
-                  chunk_sizes: tuple[int, ...] = (32, 128), profile: bool = True, progress: bool = True,
-                  target_obj=None, drafter_obj=None, runner=None) -> Engine:
-    """Loads target and drafter, precompiles every bucket, profiles SPS, and starts the engine thread.
+DEFAULT_MAX_MODEL_LEN = 2048  # cap on the length taken from the target's config
+PROFILE_CONTEXTS = (64, 512)  # context lengths the SPS table is profiled at (interpolated between)
 
-    `target_obj` / `drafter_obj` pass already-loaded models (tests); `drafter=None` or "none" serves the target
-    alone (only the `none` scheduler then). `mesh_shape` = (data, model) devices (tensor parallel over `model`).
-    `runner` reuses the device side (models, page pools, compiled programs) of an earlier engine, e.g. to compare
-    schedulers without recompiling; its sizes then win over the size arguments.
+
+def default_drafter(target_name: str) -> str | None:
+    """The drafter shipped for a known target name ("<target>/dspark"), else None."""
+    from dspark_jax.drafter import shipped_drafters
+
+    name = f"{target_name}/dspark"
+    return name if name in shipped_drafters() else None
+
+
+def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None = "auto",
+                  scheduler: str | None = None, max_batch: int = 16, max_model_len: int | None = None,
+                  page_size: int = 16, num_pages: int | None = None, kernels: str = "auto",
+                  mesh_shape: tuple[int, int] = (1, 1), chunk_sizes: tuple[int, ...] = (32, 128),
+                  profile: bool = True, progress: bool = True, sps_table: str | None = None,
+                  sps_out: str | None = None, max_waiting: int = 1024, target_obj=None, drafter_obj=None,
+                  runner=None) -> Engine:
+    """Loads target and drafter, precompiles every shape, profiles (or loads) the SPS table, starts the engine.
+
+    drafter: "auto" = the drafter shipped for `target` if there is one, else none (said in one log line);
+        None or "none" serves the target alone. scheduler: default "dspark" with a drafter, "none" without.
+    max_model_len: default min(the target's max_position_embeddings, 2048).
+    sps_table: a saved table (`sps_out` of an earlier start) to load instead of profiling; it must cover every
+        shape. `target_obj` / `drafter_obj` pass already-loaded models (tests); `runner` reuses the device side
+        of an earlier engine (compiled programs, pools), whose sizes then win. `mesh_shape` = (data, model).
     """
     from dspark_jax.drafter import load_drafter
+    from dspark_jax.runner import ModelRunner
     from dspark_jax.sharding import make_mesh
     from dspark_jax.target import load_target
-    from serve.runner import ModelRunner
 
-    spec = SchedulerSpec.parse(scheduler)
     say = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
-    if max_batch < 1 or max_model_len < 2 or page_size < 1:
+    if max_batch < 1 or page_size < 1 or (max_model_len is not None and max_model_len < 2):
         raise ValueError(f"bad engine sizes: {max_batch=}, {max_model_len=}, {page_size=}")
     if runner is not None:
-        return _engine_on(runner, spec, scheduler, max_model_len, profile, say,
-                          getattr(runner.target, "source", "target"))
+        spec = SchedulerSpec.parse(scheduler or ("dspark" if runner.drafter is not None else "none"))
+        mml = max_model_len or (runner.max_pages * runner.page_size - runner.L - 1)
+        return _engine_on(runner, spec, mml, profile, say, getattr(runner.target, "source", "target"),
+                          sps_table, sps_out, max_waiting, progress)
     tgt = target_obj if target_obj is not None else load_target(target)
+    if drafter == "auto" and drafter_obj is None:
+        drafter = default_drafter(target) if target_obj is None else None
+        log.info("drafter: %s", drafter or f"none (no drafter is shipped for {target}); serving the target alone")
+    spec = SchedulerSpec.parse(scheduler or ("dspark" if (drafter not in (None, "none") or drafter_obj) else "none"))
     drf = drafter_obj
     if drf is None and drafter not in (None, "none") and spec.needs_drafter:
         say(f"loading drafter {drafter}")
         drf = load_drafter(drafter, tgt)
     if not spec.needs_drafter:
         drf = None
+    if spec.needs_drafter and drf is None:
+        raise ValueError(f"scheduler {spec.kind!r} needs a drafter; pass --drafter")
     if drf is not None:
         drf.check_target(tgt)
-    if max_model_len > tgt.config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the target's {tgt.config.max_position_embeddings}")
+    limit = tgt.config.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the target's {limit}")
     L = drf.config.block_size if drf is not None else 0
     max_pages = -(-(max_model_len + L + 1) // page_size)
     num_pages = num_pages or max_batch * max_pages
     mesh = make_mesh(*mesh_shape) if mesh_shape != (1, 1) else None
     runner = ModelRunner(tgt, drf, max_batch=max_batch, num_pages=num_pages, page_size=page_size,
-                         max_pages=max_pages, capacities=capacity_buckets(max_batch, L),
-                         chunk_sizes=tuple(sorted(chunk_sizes)), kernels=kernels, mesh=mesh)
+                         max_pages=max_pages, chunk_sizes=tuple(sorted(chunk_sizes)), kernels=kernels, mesh=mesh)
     name = target if target_obj is None else getattr(tgt, "source", "target")
-    return _engine_on(runner, spec, scheduler, max_model_len, profile, say, name)
+    return _engine_on(runner, spec, max_model_len, profile, say, name, sps_table, sps_out, max_waiting, progress)
 
 
-def _engine_on(runner, spec: SchedulerSpec, scheduler: str, max_model_len: int, profile: bool, say,
-               name: str) -> Engine:
+def _bar(progress: bool, desc: str):
+    """A tqdm progress callback(done, total) (or a no-op)."""
+    if not progress:
+        return None, lambda: None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=desc, unit="shape", leave=False)
+
+    def update(done, total):
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return update, bar.close
+
+
+def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, say, name: str,
+               sps_table: str | None, sps_out: str | None, max_waiting: int, progress: bool) -> Engine:
     """Compiles (if not yet) and profiles the runner for the scheduler's mode, then starts an engine on it."""
     if spec.needs_drafter and runner.drafter is None:
-        raise ValueError(f"scheduler {scheduler!r} needs a drafter; this runner has none")
+        raise ValueError(f"scheduler {spec.kind!r} needs a drafter; this runner has none")
     mode = "topk" if spec.kind == "dspark" else "lengths"
+    max_draft = spec.n if spec.kind == "fixed" else None
     t0 = time.perf_counter()
-    say(f"compiling {len(runner.capacities)} capacity buckets {list(runner.capacities)} and "
-        f"{len(runner.chunk_sizes)} prefill chunks {list(runner.chunk_sizes)} ...")
-    runner.warmup((mode,))
-    say(f"compiled in {time.perf_counter() - t0:.1f}s")
+    update, close = _bar(progress, "compiling")
+    runner.warmup((mode,), max_draft=max_draft, progress=update)
+    close()
+    say(f"compiled {len(runner.verify_shapes(max_draft))} step shapes in {time.perf_counter() - t0:.1f}s")
     sps = None
-    if profile:
-        sps = runner.profile_sps(mode)
-        say("SPS table (capacity → steps/s): " + ", ".join(f"{c}: {v:.2f}" for c, v in sps.items()))
-    core = EngineCore(runner, scheduler=scheduler, max_batch=runner.B, num_pages=runner.tkv.num_pages,
+    if sps_table is not None:
+        sps = SpsTable.load(sps_table)
+        if not sps.covers(runner.verify_shapes(max_draft)):
+            raise ValueError(f"SPS table {sps_table} does not cover this engine's shapes; profile again")
+    elif profile:
+        entries = {}
+        update, close = _bar(progress, "profiling")
+        for i, ctx in enumerate(PROFILE_CONTEXTS):
+            prog = None if update is None else (lambda d, t, i=i: update(i * t + d, t * len(PROFILE_CONTEXTS)))
+            for (bb, cap), v in runner.profile(mode, context=ctx, max_draft=max_draft, progress=prog).items():
+                entries[bb, cap, ctx] = v
+        close()
+        sps = SpsTable(entries).smoothed()
+    if sps is not None:
+        say("SPS " + sps.summary())
+        if sps_out:
+            sps.save(sps_out)
+    core = EngineCore(runner, scheduler=_spec_text(spec), max_batch=runner.B, num_pages=runner.num_pages,
                       page_size=runner.page_size, max_model_len=max_model_len,
-                      eos_token_ids=runner.target.eos_token_ids, sps=sps)
+                      eos_token_ids=runner.target.eos_token_ids, sps=sps, max_waiting=max_waiting)
     return Engine(core, model_name=name, tokenizer=runner.target.tokenizer).start()
+
+
+def _spec_text(spec: SchedulerSpec) -> str:
+    if spec.kind == "fixed":
+        return f"fixed:{spec.n}"
+    if spec.kind == "threshold":
+        return f"threshold:{spec.threshold}"
+    return spec.kind

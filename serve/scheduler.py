@@ -15,6 +15,7 @@ bucket that fits; `sps` is the profiled steps/s per bucket, expanded to a per-to
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -106,3 +107,79 @@ def dspark_capacity(stale_conf: np.ndarray | None, active: np.ndarray, block_siz
     stale row belonged to another request are treated the same way."""
     conf = np.ones((active.shape[0], block_size), np.float32) if stale_conf is None else stale_conf
     return int(_capacity(conf, sps_table, active))
+
+
+@dataclasses.dataclass
+class SpsTable:
+    """The profiled cost model: steps/s of a full step (draft + verify) by (batch bucket, capacity bucket,
+    context length). Profiled with repeats at a few context lengths, smoothed to be monotone (more tokens or
+    longer contexts never make a step faster), saved and reloaded as JSON (`--sps-table PATH`).
+
+    `token_table(rows, context)` is what the schedulers read: SPS indexed by tokens in the pass for the batch
+    bucket of `rows` running requests, linearly interpolated between the profiled context lengths (clamped at
+    the ends), so the capacity search prices long contexts correctly.
+    """
+
+    entries: dict[tuple[int, int, int], float]  # (batch bucket, capacity, context) → steps/s
+
+    @property
+    def contexts(self) -> list[int]:
+        return sorted({c for _, _, c in self.entries})
+
+    def smoothed(self) -> SpsTable:
+        """Running minimum along capacity (for each batch bucket and context), then along context."""
+        out = dict(self.entries)
+        for bb, ctx in {(b, c) for b, _, c in out}:
+            best = np.inf
+            for cap in sorted(k[1] for k in out if k[0] == bb and k[2] == ctx):
+                best = min(best, out[bb, cap, ctx])
+                out[bb, cap, ctx] = best
+        for bb, cap in {(b, c) for b, c, _ in out}:
+            best = np.inf
+            for ctx in sorted(k[2] for k in out if k[0] == bb and k[1] == cap):
+                best = min(best, out[bb, cap, ctx])
+                out[bb, cap, ctx] = best
+        return SpsTable(out)
+
+    def at(self, bb: int, cap: int, context: float) -> float:
+        ctxs = [c for c in self.contexts if (bb, cap, c) in self.entries]
+        if not ctxs:
+            return 0.0
+        vals = [self.entries[bb, cap, c] for c in ctxs]
+        return float(np.interp(context, ctxs, vals))
+
+    def token_table(self, bb: int, context: float, capacities) -> np.ndarray:
+        """f32 [capacities[-1] + 1]: SPS(N) = SPS of the smallest bucket ≥ N profiled for `bb`; 0 where none."""
+        caps = [c for c in capacities if any(k[0] == bb and k[1] == c for k in self.entries)]
+        table = np.zeros(int(capacities[-1]) + 1, np.float32)
+        if not caps:
+            return table
+        sps_at = [self.at(bb, c, context) for c in caps]
+        return np.asarray(bucket_sps(sps_at, caps, int(capacities[-1])), np.float32)
+
+    def save(self, path: str) -> None:
+        rows = [{"batch": b, "capacity": c, "context": x, "sps": v} for (b, c, x), v in sorted(self.entries.items())]
+        with open(path, "w") as f:
+            json.dump({"format": "dspark-sps-v2", "entries": rows}, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> SpsTable:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if data.get("format") != "dspark-sps-v2":
+                raise ValueError(f"unknown format {data.get('format')!r}")
+            return cls({(int(r["batch"]), int(r["capacity"]), int(r["context"])): float(r["sps"])
+                        for r in data["entries"]})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"not an SPS table: {path}: {e}") from None
+
+    def covers(self, shapes) -> bool:
+        """Whether every (batch bucket, capacity) the runner can take has an entry."""
+        have = {(b, c) for b, c, _ in self.entries}
+        return all(tuple(s) in have for s in shapes)
+
+    def summary(self) -> str:
+        ctx = self.contexts[0] if self.contexts else 0
+        parts = [f"{b}x{c}: {self.entries[b, c, ctx]:.1f}" for b, c, x in sorted(self.entries) if x == ctx]
+        return f"steps/s at context {ctx} (batch x capacity): " + ", ".join(parts)

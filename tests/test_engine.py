@@ -1,4 +1,4 @@
-"""The serving engine on tiny real targets (serve/engine.py, serve/runner.py, dspark_jax/paged.py).
+"""The serving engine on tiny real targets (serve/engine.py, dspark_jax/runner.py, dspark_jax/paged.py).
 
 - Through the HTTP server (the official openai client), greedy outputs equal target-only greedy outputs for
   every scheduler, with more requests in flight than batch slots; nothing recompiles after warm-up (traces

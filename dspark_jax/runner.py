@@ -1,0 +1,411 @@
+"""The speculative round on paged caches: one owner for `generate` and the serving engine (paper Fig. 1, §5.2).
+
+A round for R running requests, each with n committed tokens and an anchor (the last emitted token, not yet
+in the target cache):
+  1. draft     — `draft`: the drafter's block pass reads each request's injected context from its pages and
+                 samples draft tokens, draft probs q and confidences c (`drafter.draft_from_hidden`).
+  2. schedule  — verification lengths ℓ from the policy (dspark_jax/policy.py): given by the host
+                 (mode "lengths") or filled on device from the current survival up to a capacity K chosen
+                 from stale confidences (mode "topk", §5.2: the host never waits for the drafts).
+  3. verify    — `verify`: the requests' [anchor, draft_1..draft_ℓ] packed back to back into one flat
+                 capacity bucket, one target pass over pages (projections and MLPs ∝ the bucket, attention
+                 over the pages in use only), the LM head on those rows only, lossless verification.
+  4. commit    — the target K/V of the pass is already in the pages; the drafter's context gets the target
+                 features of the same positions (KV injection). The host advances n by accepted + 1.
+Cost follows the live work: the running requests are compacted into the first R rows of a batch bucket
+(powers of two), every program is compiled per (batch bucket, capacity bucket) at start-up, and attention
+walks only the pages in use (dspark_jax/paged.py). `TRACES` counts Python traces per program and shape, so a
+test can prove that nothing recompiles after warm-up.
+
+The programs are module-level jitted functions (graphdefs and sizes static), so every runner of the same
+models shares their compiled executables.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import kernels as kernels_lib
+from dspark_jax.drafter import draft_from_hidden
+from dspark_jax.drafter_model import TargetHead
+from dspark_jax.keys import DRAFT, VERIFY, round_keys
+from dspark_jax.paged import PagedKV, drafter_block_hidden_paged, drafter_write_flat, target_forward_flat
+from dspark_jax.sampling import all_greedy, filter_probs, sample
+from dspark_jax.scheduling import survival, topk_fill
+from dspark_jax.verification import greedy_verify, verify
+
+TRACES: collections.Counter = collections.Counter()
+NUM_TOP_LOGPROBS = 20  # top alternatives computed when any request of a pass asks for logprobs
+
+
+def pow2_buckets(top: int, start: int = 1) -> tuple[int, ...]:
+    """Powers of two from `start` below `top`, and `top` itself."""
+    out, b = [], start
+    while b < top:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (top,)
+
+
+def pick(n: int, buckets) -> int:
+    """The smallest bucket ≥ n."""
+    for b in buckets:
+        if b >= n:
+            return int(b)
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """Host arrays of one step for the R running requests, in rows 0..R−1 of a batch bucket of Bb rows."""
+
+    lengths: np.ndarray  # int32 [Bb] committed tokens n (the anchor sits at position n)
+    anchors: np.ndarray  # int32 [Bb]
+    block_tables: np.ndarray  # int32 [Bb, M]
+    temperature: np.ndarray  # f32 [Bb]
+    top_k: np.ndarray  # int32 [Bb]
+    top_p: np.ndarray  # f32 [Bb]
+    keys: np.ndarray  # uint32 [Bb, 2] request key data (dspark_jax/keys.py)
+    rounds: np.ndarray  # int32 [Bb] the round being run
+    logprobs: np.ndarray  # bool [Bb] whether the request wants logprobs
+    rows: int  # R
+
+    @property
+    def active(self) -> np.ndarray:
+        return np.arange(self.lengths.shape[0]) < self.rows
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Host results of one verification pass, rows 0..R−1 (padding rows are dropped)."""
+
+    emitted: np.ndarray  # int32 [R, L+1] (−1 padded)
+    num_emitted: np.ndarray  # int32 [R]
+    num_accepted: np.ndarray  # int32 [R]
+    lengths: np.ndarray  # int32 [R] verified draft tokens ℓ
+    confidence: np.ndarray | None  # f32 [R, L] (when asked for)
+    capacity: int
+    logprobs: tuple | None = None  # (logprob [R, L+1], top ids [R, L+1, k], top logprobs [R, L+1, k])
+
+
+def _logprob_outputs(logits, tokens, want):
+    """Raw-model logprobs of `tokens` [..] under logits [.., V] and the top alternatives, only when `want`."""
+    shape = tokens.shape
+
+    def compute():
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(lp, jnp.clip(tokens, 0, lp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+        top_lp, top_ids = jax.lax.top_k(lp, NUM_TOP_LOGPROBS)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def skip():
+        return (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (NUM_TOP_LOGPROBS,), jnp.int32),
+                jnp.zeros(shape + (NUM_TOP_LOGPROBS,), jnp.float32))
+
+    return jax.lax.cond(want, compute, skip)
+
+
+def _model_key(tg, dg) -> tuple:
+    return hash(tg), hash(dg)
+
+
+# ---- programs ---------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("tg", "dg", "hidden_layers", "kernels"), donate_argnames=("tkv", "dkv"))
+def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row, key, temp, top_k, top_p,
+                    want_logprobs, *, tg, dg, hidden_layers, kernels):
+    """One chunk of one request's prompt at positions start..start+C−1 (C = the chunk bucket, n_real real):
+    target K/V and the drafter's context written to its pages; returns the token sampled after the chunk's
+    last real position (round 0 of the request's key) and its logprobs."""
+    TRACES[_model_key(tg, dg), "prefill", tokens.shape[0]] += 1
+    target = nnx.merge(tg, tparams)
+    C = tokens.shape[0]
+    pos = start + jnp.arange(C, dtype=jnp.int32)
+    valid = jnp.arange(C) < n_real
+    slot = jnp.zeros((C,), jnp.int32)
+    qs = jnp.stack([jnp.int32(0), n_real]).astype(jnp.int32)
+    h, tkv, feats = target_forward_flat(target, tkv, tokens, slot, pos, valid, table_row, (start + n_real)[None],
+                                        qs, max_q_len=C, hidden_layers=hidden_layers, kernels=kernels)
+    if dg is not None:
+        dkv = drafter_write_flat(nnx.merge(dg, dparams), dkv, feats, slot, pos, valid, table_row)
+    logits = target.head(h[jnp.maximum(n_real - 1, 0)])[None]  # [1, V]
+    keys = round_keys(key[None], jnp.zeros((1,), jnp.int32), VERIFY)
+    tok = sample(keys, filter_probs(logits, temp[None], top_k[None], top_p[None]), temp <= 0.0)
+    lp = _logprob_outputs(logits, tok, want_logprobs)
+    return tkv, dkv, tok[0], jax.tree.map(lambda x: x[0], lp)
+
+
+@functools.partial(jax.jit, static_argnames=("dg", "tied", "kernels"))
+def draft_program(tparams, dparams, dkv, block_tables, lengths, anchors, keys, rounds, temp, top_k, top_p, *, dg,
+                  tied, kernels):
+    """Every row of the batch bucket drafts a block from its paged context → (draft [Bb, L], q [Bb, L, V],
+    confidence [Bb, L]). Padding rows have no context and are ignored downstream."""
+    TRACES[(None, hash(dg)), "draft", anchors.shape[0]] += 1
+    model = nnx.merge(dg, dparams)
+    head = TargetHead.from_params(tparams, tied)
+    h = drafter_block_hidden_paged(model, head, dkv, block_tables, lengths, anchors)
+    return draft_from_hidden(model, head, h, anchors, round_keys(keys, rounds, DRAFT), temp, top_k, top_p,
+                             kernels)
+
+
+@functools.partial(jax.jit, static_argnames=("tg", "dg", "capacity", "mode", "block_size", "hidden_layers",
+                                             "kernels"), donate_argnames=("tkv", "dkv"))
+def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or_k, *, tg, dg, capacity, mode,
+                   block_size, hidden_layers, kernels):
+    """Schedule (mode "lengths": ℓ given; "topk": top-K fill of the current survival), one flat target pass
+    over the capacity bucket, lossless verification, commit of the drafter context.
+
+    Returns (tkv, dkv, emitted [Bb, L+1], num_emitted [Bb], num_accepted [Bb], lengths [Bb], logprobs)."""
+    L = block_size
+    active, n, anchors, tables = batch["active"], batch["lengths"], batch["anchors"], batch["block_tables"]
+    Bb = active.shape[0]
+    TRACES[_model_key(tg, dg), "verify", Bb, capacity, mode] += 1
+    if mode == "topk":
+        lengths = topk_fill(survival(conf), lengths_or_k, active)
+    else:
+        lengths = jnp.where(active, jnp.clip(lengths_or_k, 0, L), 0)
+    q_len = jnp.where(active, lengths + 1, 0).astype(jnp.int32)
+    query_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len).astype(jnp.int32)])
+    t = jnp.arange(capacity, dtype=jnp.int32)
+    slot = jnp.clip(jnp.searchsorted(query_start[1:], t, side="right"), 0, Bb - 1).astype(jnp.int32)
+    j = t - query_start[slot]
+    valid = t < query_start[-1]
+    block = jnp.concatenate([anchors[:, None], draft], 1) if L else anchors[:, None]  # [Bb, L+1]
+    tokens = jnp.where(valid, block[slot, jnp.clip(j, 0, L)], 0)
+    pos = n[slot] + j
+    target = nnx.merge(tg, tparams)
+    h, tkv, feats = target_forward_flat(target, tkv, tokens, slot, pos, valid, tables, n + q_len, query_start,
+                                        max_q_len=L + 1, hidden_layers=hidden_layers, kernels=kernels)
+    # The LM head on the bucket's rows only (∝ capacity), then each request's L+1 rows gathered from them.
+    flat_logits = target.head(h)  # [capacity, V]
+    rows = jnp.clip(query_start[:-1, None] + jnp.arange(L + 1), 0, capacity - 1)  # [Bb, L+1]
+    temp, tk, tp = batch["temperature"], batch["top_k"], batch["top_p"]
+    greedy = all_greedy(jnp.where(active, temp, 0.0))
+    verify_keys = round_keys(batch["keys"], batch["rounds"], VERIFY)
+    if L == 0:  # target only: sample the token after each anchor
+        logits = flat_logits[rows[:, 0]]
+        tok = jax.lax.cond(greedy, lambda: jnp.argmax(logits, -1).astype(jnp.int32),
+                           lambda: sample(verify_keys, filter_probs(logits, temp, tk, tp)))
+        emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
+        lp = _logprob_outputs(logits[:, None], emitted, jnp.any(batch["logprobs"] & active))
+        return tkv, dkv, emitted, zeros + 1, zeros, lengths, lp
+    res = jax.lax.cond(
+        greedy,
+        lambda: greedy_verify(jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows], draft, lengths),
+        lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, tk, tp), draft, q, lengths))
+    if dg is not None:
+        dkv = drafter_write_flat(nnx.merge(dg, dparams), dkv, feats, slot, pos, valid, tables)
+    lp = _logprob_outputs(flat_logits[rows], res.emitted_tokens, jnp.any(batch["logprobs"] & active))
+    return tkv, dkv, res.emitted_tokens, res.num_emitted, res.num_accepted, lengths, lp
+
+
+# ---- host side ------------------------------------------------------------------------------------------------
+class ModelRunner:
+    """Page pools, parameters and the compiled programs for one (target, drafter) pair.
+
+    Args:
+        target, drafter: loaded models (drafter None: target only).
+        max_batch: most requests per step; batch buckets are powers of two up to it.
+        num_pages, page_size, max_pages: the paged pools (one block table row of `max_pages` per request).
+        chunk_sizes: prefill chunk buckets.
+        kernels: "auto" | "pallas" | "reference" (dspark_jax/kernels.py).
+        mesh: optional device mesh; parameters are sharded by dspark_jax/sharding.py's rules.
+    """
+
+    def __init__(self, target, drafter, *, max_batch: int, num_pages: int, page_size: int, max_pages: int,
+                 chunk_sizes: tuple[int, ...] = (32, 128), kernels: str = "auto", mesh=None):
+        if drafter is not None and drafter.config.kind == "eagle3":
+            raise ValueError("the paged round supports block drafters (dspark, dflash), not eagle3")
+        kernels_lib.KernelConfig.parse(kernels)
+        self.target, self.drafter = target, drafter
+        self.B, self.page_size, self.max_pages = max_batch, page_size, max_pages
+        self.chunk_sizes, self.kernels = tuple(sorted(chunk_sizes)), kernels
+        self.L = drafter.config.block_size if drafter is not None else 0
+        self.batch_buckets = pow2_buckets(max_batch)
+        self.capacities = pow2_buckets(max_batch * (self.L + 1))
+        tc = target.config
+        self.tkv = PagedKV.init(num_layers=tc.num_layers, num_pages=num_pages, num_kv_heads=tc.num_kv_heads,
+                                page_size=page_size, head_dim=tc.head_dim, dtype=target.dtype)
+        self.dkv = None
+        self.tparams, self.dparams = target.params, (drafter.params if drafter is not None else None)
+        if drafter is not None:
+            dc = drafter.config
+            self.dkv = PagedKV.init(num_layers=dc.num_layers, num_pages=num_pages, num_kv_heads=dc.num_kv_heads,
+                                    page_size=page_size, head_dim=dc.head_dim, dtype=target.dtype)
+        if mesh is not None:
+            from dspark_jax.sharding import shard_params
+
+            self.tparams = shard_params(self.tparams, mesh)
+            if drafter is not None:
+                self.dparams = shard_params(self.dparams, mesh)
+        self._static = dict(tg=target.graphdef, dg=drafter.graphdef if drafter is not None else None,
+                            hidden_layers=drafter.config.target_layers if drafter is not None else (),
+                            kernels=kernels)
+
+    @property
+    def traces(self) -> collections.Counter:
+        """Python traces of this runner's programs, keyed (program, shape...): 1 each after warm-up."""
+        s = self._static
+        mine = {_model_key(s["tg"], s["dg"]), (None, hash(s["dg"]))}
+        return collections.Counter({k[1:]: v for k, v in TRACES.items() if k[0] in mine})
+
+    @property
+    def num_pages(self) -> int:
+        return self.tkv.num_pages
+
+    # ---- shapes -----------------------------------------------------------------------------------------------
+    def batch_bucket(self, rows: int) -> int:
+        return pick(rows, self.batch_buckets)
+
+    def verify_shapes(self, max_draft: int | None = None) -> list[tuple[int, int]]:
+        """Every (batch bucket, capacity) a step can take when each request verifies 0..max_draft drafts."""
+        ld = self.L if max_draft is None else min(max_draft, self.L)
+        shapes = set()
+        for r in range(1, self.B + 1):
+            bb = self.batch_bucket(r)
+            for tokens in range(r, r * (ld + 1) + 1):
+                shapes.add((bb, pick(tokens, self.capacities)))
+        return sorted(shapes)
+
+    # ---- programs ---------------------------------------------------------------------------------------------
+    def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
+                logprobs: bool = False):
+        """Runs one chunk (≤ the largest chunk bucket) → (token sampled after it, its logprobs or None)."""
+        n = len(tokens)
+        C = pick(n, self.chunk_sizes)
+        buf = np.zeros(C, np.int32)
+        buf[:n] = tokens
+        s = self._static
+        self.tkv, self.dkv, tok, lp = prefill_program(
+            self.tparams, self.dparams, self.tkv, self.dkv, jnp.asarray(buf), jnp.int32(start), jnp.int32(n),
+            jnp.asarray(np.asarray(table_row, np.int32)[None]), jnp.asarray(key, jnp.uint32),
+            jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.bool_(logprobs), tg=s["tg"],
+            dg=s["dg"], hidden_layers=s["hidden_layers"], kernels=s["kernels"])
+        if not logprobs:
+            return int(tok), None
+        tok, lp = jax.device_get((tok, lp))
+        return int(tok), lp
+
+    def device_batch(self, b: StepBatch) -> dict:
+        """The step's arrays on device (uploaded once; `draft` and `step` share them)."""
+        return {"active": jnp.asarray(b.active), "lengths": jnp.asarray(b.lengths, jnp.int32),
+                "anchors": jnp.asarray(b.anchors, jnp.int32), "block_tables": jnp.asarray(b.block_tables, jnp.int32),
+                "temperature": jnp.asarray(b.temperature, jnp.float32), "top_k": jnp.asarray(b.top_k, jnp.int32),
+                "top_p": jnp.asarray(b.top_p, jnp.float32), "keys": jnp.asarray(b.keys, jnp.uint32),
+                "rounds": jnp.asarray(b.rounds, jnp.int32), "logprobs": jnp.asarray(b.logprobs, bool)}
+
+    def draft(self, b: StepBatch, dev: dict):
+        """(draft, q, confidence) device arrays for every row of the batch bucket."""
+        s = self._static
+        return draft_program(self.tparams, self.dparams, self.dkv, dev["block_tables"], dev["lengths"],
+                             dev["anchors"], dev["keys"], dev["rounds"], dev["temperature"], dev["top_k"],
+                             dev["top_p"], dg=s["dg"], tied=self.target.config.tie_word_embeddings,
+                             kernels=s["kernels"])
+
+    def step(self, b: StepBatch, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
+             drafts=None, dev: dict | None = None, want_confidence: bool = False) -> StepResult:
+        """One round's verification pass (drafting first unless `drafts` are given). Exactly one of `lengths`
+        (host ℓ per row) and `budget` (K for the top-K fill)."""
+        dev = self.device_batch(b) if dev is None else dev
+        Bb = b.lengths.shape[0]
+        if self.drafter is not None and drafts is None:
+            drafts = self.draft(b, dev)
+        if drafts is None:  # target only
+            drafts = (jnp.zeros((Bb, 0), jnp.int32), jnp.zeros((Bb, 0, 1), jnp.float32),
+                      jnp.zeros((Bb, 0), jnp.float32))
+        draft, q, conf = drafts
+        mode = "topk" if budget is not None else "lengths"
+        arg = jnp.int32(budget) if budget is not None else jnp.asarray(lengths, jnp.int32)
+        s = self._static
+        self.tkv, self.dkv, emitted, num_emitted, m, ls, lp = verify_program(
+            self.tparams, self.dparams, self.tkv, self.dkv, dev, draft, q, conf, arg, tg=s["tg"], dg=s["dg"],
+            capacity=capacity, mode=mode, block_size=self.L, hidden_layers=s["hidden_layers"], kernels=s["kernels"])
+        R = b.rows
+        want_lp = bool(b.logprobs[:R].any())
+        fetch = (emitted, num_emitted, m, ls) + ((conf,) if (want_confidence and self.L) else ()) + \
+            ((lp,) if want_lp else ())
+        got = jax.device_get(fetch)
+        emitted, num_emitted, m, ls = (x[:R] for x in got[:4])
+        confidence = got[4][:R] if (want_confidence and self.L) else None
+        logprobs = tuple(x[:R] for x in got[-1]) if want_lp else None
+        return StepResult(emitted, num_emitted, m, ls, confidence, capacity, logprobs)
+
+    def empty_batch(self, rows: int) -> StepBatch:
+        """A StepBatch of the bucket for `rows` requests, padding rows idle."""
+        Bb = self.batch_bucket(max(rows, 1))
+        return StepBatch(lengths=np.zeros(Bb, np.int32), anchors=np.zeros(Bb, np.int32),
+                         block_tables=np.full((Bb, self.max_pages), self.num_pages, np.int32),
+                         temperature=np.zeros(Bb, np.float32), top_k=np.zeros(Bb, np.int32),
+                         top_p=np.ones(Bb, np.float32), keys=np.zeros((Bb, 2), np.uint32),
+                         rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
+
+    # ---- start-up ---------------------------------------------------------------------------------------------
+    def warmup(self, modes: tuple[str, ...], max_draft: int | None = None, progress=None) -> None:
+        """Compiles every program at every shape a step can take (writes go to the dropped sentinel page).
+
+        progress: optional callable(done, total) for a progress bar."""
+        sentinel = [self.num_pages] * self.max_pages
+        shapes = self.verify_shapes(max_draft)
+        jobs = [("prefill", c) for c in self.chunk_sizes]
+        if self.drafter is not None:
+            jobs += [("draft", bb) for bb in self.batch_buckets]
+        jobs += [("verify", bb, cap, mode) for bb, cap in shapes for mode in modes]
+        for i, job in enumerate(jobs):
+            if job[0] == "prefill":
+                self.prefill([0] * job[1], 0, sentinel, np.zeros(2, np.uint32), 0.0, 0, 1.0)
+            elif job[0] == "draft":
+                b = self.empty_batch(job[1])
+                b.rows = 0
+                jax.block_until_ready(self.draft(b, self.device_batch(b)))
+            else:
+                _, bb, cap, mode = job
+                b = self.empty_batch(bb)
+                b.rows = 0
+                if mode == "topk":
+                    self.step(b, capacity=cap, budget=0)
+                else:
+                    self.step(b, capacity=cap, lengths=np.zeros(bb, np.int32))
+            if progress is not None:
+                progress(i + 1, len(jobs))
+
+    def profile(self, mode: str, context: int = 256, repeats: int = 5, max_draft: int | None = None,
+                progress=None) -> dict[tuple[int, int], float]:
+        """Steps per second of a full step (draft + verify) at every (batch bucket, capacity) shape, with real
+        work: R = the bucket's rows active at `context` committed tokens, ℓ spread so the pass holds
+        `capacity` tokens; the median of `repeats` runs after one discarded run. Writes go to dropped pages."""
+        table = {}
+        context = max(0, min(context, self.max_pages * self.page_size - self.L - 2))
+        shapes = self.verify_shapes(max_draft)
+        for i, (bb, cap) in enumerate(shapes):
+            rows = min(bb, cap)
+            b = self.empty_batch(rows)
+            b.lengths[:rows] = context
+            lens = np.zeros(bb, np.int32)
+            extra = cap - rows
+            for r in range(rows):  # spread the draft tokens over the rows, at most L each
+                lens[r] = min(self.L, extra // rows + (1 if r < extra % rows else 0))
+            times = []
+            for k in range(repeats + 1):
+                t0 = _now()
+                if mode == "topk":
+                    self.step(b, capacity=cap, budget=int(lens.sum()))
+                else:
+                    self.step(b, capacity=cap, lengths=lens)
+                if k:
+                    times.append(_now() - t0)
+            table[(bb, cap)] = 1.0 / float(np.median(times))
+            if progress is not None:
+                progress(i + 1, len(shapes))
+        return table
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
