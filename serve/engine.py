@@ -96,10 +96,13 @@ class EngineCore:
         self.attempts, self.accepts = np.zeros(max(self.L, 1), np.int64), np.zeros(max(self.L, 1), np.int64)
 
     # ---- configuration ---------------------------------------------------------------------------------------
-    def set_sps(self, sps: SpsTable | None) -> None:
-        """The cost model the schedulers read (a flat table until one is profiled or loaded)."""
+    def set_sps(self, sps: SpsTable | dict | None) -> None:
+        """The cost model the schedulers read: an SpsTable, a {capacity: steps/s} dict (the same for every
+        batch bucket and context: tests, hand-made tables), or None (flat until profiled or loaded)."""
         if sps is None:
-            sps = SpsTable({(bb, c, 0): 1.0 for bb, c in self.runner.verify_shapes()})
+            sps = {c: 1.0 for c in self.capacities}
+        if isinstance(sps, dict):
+            sps = SpsTable({(bb, int(c), 0): float(v) for bb in self.runner.batch_buckets for c, v in sps.items()})
         self.sps = sps
         self._token_tables: dict = {}
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from serve.engine import Engine, EngineCore, capacity_buckets
-from serve.runner import SlotBatch, StepResult
+from dspark_jax.runner import StepBatch, StepResult, pick, pow2_buckets
 from serve.types import EngineRequest, SamplingParams
 
 V = 1000
@@ -82,15 +82,19 @@ class Pass:
 
 
 class MockRunner:
-    """Exactly the runner surface EngineCore uses (serve/runner.py's host API), in numpy."""
+    """Exactly the runner surface EngineCore uses (dspark_jax/runner.py's host API), in numpy. Rows of a step
+    are the running requests compacted into a batch bucket (powers of two up to B)."""
 
     def __init__(self, *, B, L, num_pages, page_size, max_pages, capacities, chunk_sizes, accept=None, conf=None,
                  confidence_head=True, fail_at_pass=None):
         self.B, self.L, self.page_size, self.max_pages = B, L, page_size, max_pages
         self.capacities, self.chunk_sizes = tuple(capacities), tuple(chunk_sizes)
+        self.batch_buckets = pow2_buckets(B)
         cfg = types.SimpleNamespace(confidence=confidence_head, kind="mock")
         self.drafter = types.SimpleNamespace(config=cfg) if L else None
+        self.target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=V))
         self.tkv = types.SimpleNamespace(num_pages=num_pages)
+        self.num_pages = num_pages
         self.cache = np.full((num_pages, page_size), -1, np.int64)
         self.accept = accept or (lambda seed, rnd: L)
         self.conf = conf or (lambda t, slot, seed, rnd: np.full(L, 0.5, np.float32))
@@ -109,7 +113,12 @@ class MockRunner:
         assert -1 not in ctx, f"unwritten cache positions in the context {ctx}"
         return ctx
 
-    def prefill(self, tokens, start, table_row, key, temperature, top_k, top_p) -> int:
+    def verify_shapes(self, max_draft=None):
+        ld = self.L if max_draft is None else min(max_draft, self.L)
+        return sorted({(pick(r, self.batch_buckets), pick(t, self.capacities)) for r in range(1, self.B + 1)
+                       for t in range(r, r * (ld + 1) + 1) if t <= self.capacities[-1]})
+
+    def prefill(self, tokens, start, table_row, key, temperature, top_k, top_p, logprobs=False):
         assert 0 < len(tokens) <= self.chunk_sizes[-1], f"chunk of {len(tokens)} tokens"
         assert len(table_row) == self.max_pages
         self._context(table_row, start)  # the earlier chunks landed
@@ -119,23 +128,25 @@ class MockRunner:
         pages = [int(p) for p in table_row if p != self.tkv.num_pages]
         self.prefills.append(Prefill(seed, start, [int(t) for t in tokens], pages))
         self.events.append(("prefill", seed, start, len(tokens)))
-        return (int(tokens[-1]) + 1) % V
+        return (int(tokens[-1]) + 1) % V, None
 
-    def idle_batch(self) -> SlotBatch:
-        B, M = self.B, self.max_pages
-        return SlotBatch(active=np.zeros(B, bool), lengths=np.zeros(B, np.int32), anchors=np.zeros(B, np.int32),
-                         block_tables=np.full((B, M), self.tkv.num_pages, np.int32),
-                         temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
-                         keys=np.zeros((B, 2), np.uint32), rounds=np.zeros(B, np.int32))
+    def empty_batch(self, rows: int) -> StepBatch:
+        Bb, M = pick(max(rows, 1), self.batch_buckets), self.max_pages
+        return StepBatch(lengths=np.zeros(Bb, np.int32), anchors=np.zeros(Bb, np.int32),
+                         block_tables=np.full((Bb, M), self.tkv.num_pages, np.int32),
+                         temperature=np.zeros(Bb, np.float32), top_k=np.zeros(Bb, np.int32),
+                         top_p=np.ones(Bb, np.float32), keys=np.zeros((Bb, 2), np.uint32),
+                         rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 
-    def device_batch(self, b: SlotBatch) -> dict:
+    def device_batch(self, b: StepBatch) -> dict:
         return {"host": b}
 
-    def draft(self, b: SlotBatch, dev):
-        """(draft [B, L], q (unused), confidence [B, L]) for the pass about to run."""
+    def draft(self, b: StepBatch, dev):
+        """(draft [Bb, L], q (unused), confidence [Bb, L]) for the pass about to run."""
         t = len(self.passes)
-        draft = np.zeros((self.B, self.L), np.int32)
-        conf = np.zeros((self.B, self.L), np.float32)  # idle rows: no candidates; a correct engine never reads them
+        Bb = b.lengths.shape[0]
+        draft = np.zeros((Bb, self.L), np.int32)
+        conf = np.zeros((Bb, self.L), np.float32)  # idle rows: no candidates; a correct engine never reads them
         k = np.arange(1, self.L + 1)
         for s in np.flatnonzero(b.active):
             seed, rnd, a = int(b.keys[s, 1]), int(b.rounds[s]), int(b.anchors[s])
@@ -143,7 +154,7 @@ class MockRunner:
             conf[s] = self.conf(t, int(s), seed, rnd)
         return draft, None, conf
 
-    def step(self, b: SlotBatch, *, capacity, lengths=None, budget=None, drafts=None, dev=None,
+    def step(self, b: StepBatch, *, capacity, lengths=None, budget=None, drafts=None, dev=None,
              want_confidence=False):
         if len(self.passes) == self.fail_at_pass:
             raise RuntimeError("mock device error")
@@ -161,8 +172,11 @@ class MockRunner:
         assert active.sum() + ell.sum() <= capacity, f"{active.sum()} + {ell.sum()} tokens overflow {capacity=}"
         pages = [int(p) for s in np.flatnonzero(active) for p in b.block_tables[s] if p != self.tkv.num_pages]
         assert len(pages) == len(set(pages)), f"two slots share a page: {b.block_tables[active]}"
-        emitted = np.full((self.B, self.L + 1), -1, np.int32)
-        num_emitted, num_accepted = np.zeros(self.B, np.int32), np.zeros(self.B, np.int32)
+        Bb = b.lengths.shape[0]
+        assert Bb == pick(max(b.rows, 1), self.batch_buckets), f"{Bb=} is not the bucket of {b.rows} rows"
+        assert (b.block_tables[b.rows :] == self.tkv.num_pages).all(), "padding rows must own no pages"
+        emitted = np.full((Bb, self.L + 1), -1, np.int32)
+        num_emitted, num_accepted = np.zeros(Bb, np.int32), np.zeros(Bb, np.int32)
         for s in np.flatnonzero(active):
             seed, n, a, row = int(b.keys[s, 1]), int(b.lengths[s]), int(b.anchors[s]), b.block_tables[s]
             ctx = self._context(row, n)
@@ -181,7 +195,9 @@ class MockRunner:
         self.passes.append(rec)
         self.events.append(("pass", tuple(int(b.keys[s, 1]) for s in np.flatnonzero(active))))
         confidence = conf.copy() if (want_confidence and self.L) else None
-        return StepResult(emitted, num_emitted, num_accepted, ell, confidence, capacity)
+        R = b.rows
+        return StepResult(emitted[:R], num_emitted[:R], num_accepted[:R], ell[:R],
+                          None if confidence is None else confidence[:R], capacity)
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------
@@ -391,7 +407,7 @@ def test_add_request_validation():
 
 def test_max_tokens_zero_is_rejected():
     core, _ = make_core("fixed:1")
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
         submit(core, Outputs(), "zero", [1, 2], 0, seed=1)
 
 
@@ -493,14 +509,14 @@ def test_preemption_of_a_prefilling_request():
 
 # ---- schedulers -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n, caps", [
-    (0, [4, 4, 4, 4, 4, 4, 4]),
-    (1, [4, 4, 8, 8, 8, 4, 4]),  # R(1 + 1) → 2, 4, 6
+    (0, [1, 2, 4, 4, 4, 2, 1]),  # R tokens
+    (1, [2, 4, 8, 8, 8, 4, 2]),  # R(1 + 1) → 2, 4, 6
     (3, [4, 8, 15, 15, 15, 8, 4]),  # R(1 + 3) → 4, 8, 12
     (6, [8, 15, 15, 15, 15, 15, 8]),  # ℓ = min(6, L) = 4: R · 5 → 5, 10, 15
 ])
 def test_fixed_lengths_and_buckets(n, caps):
-    core, runner = make_core(f"fixed:{n}", B=3, L=4, accept=lambda seed, rnd: 0)  # buckets (4, 8, 15)
-    assert runner.capacities == (4, 8, 15)
+    core, runner = make_core(f"fixed:{n}", B=3, L=4, accept=lambda seed, rnd: 0)  # buckets (1, 2, 4, 8, 15)
+    assert runner.capacities == (1, 2, 4, 8, 15)
     out = Outputs()
     for seed, max_tokens in ((1, 8), (2, 6), (3, 4)):  # one token per pass: R = 1, 2, 3, 3, 3, 2, 1
         submit(core, out, f"r{seed}", [seed], max_tokens, seed)
@@ -509,7 +525,8 @@ def test_fixed_lengths_and_buckets(n, caps):
     assert [rec.capacity for rec in runner.passes] == caps
     for rec in runner.passes:
         assert not rec.host_drafted and rec.budget is None
-        assert rec.lengths_arg == [min(n, 4) if s in rec.slots.values() else 0 for s in range(3)]
+        # The running requests are compacted into rows 0..R−1 of the batch bucket (1, 2 or 3 rows here).
+        assert rec.lengths_arg == [min(n, 4)] * rec.R
 
 
 # Survival per request (dyadic, so exact in f32): seed 1 a = [1, .5, .5, .25], seed 2 a = [.5, .25, .125, .0625].
@@ -519,7 +536,7 @@ CONF_BY_SEED = {1: [1.0, 0.5, 1.0, 0.5], 2: [0.5, 0.5, 0.5, 0.5]}
 def two_request_run(scheduler, sps=None):
     core, runner = make_core(scheduler, B=2, L=4, sps=sps, accept=lambda seed, rnd: 0,
                              conf=lambda t, s, seed, rnd: np.array(CONF_BY_SEED[seed], np.float32))
-    assert runner.capacities == (4, 8, 10)
+    assert runner.capacities == (1, 2, 4, 8, 10)
     out = Outputs()
     submit(core, out, "r1", [10], 6, seed=1)
     submit(core, out, "r2", [20], 6, seed=2)
@@ -537,7 +554,7 @@ def test_threshold_lengths(x, ell):
     for rec in runner.passes:
         assert rec.host_drafted and rec.budget is None
         assert rec.ell == {seed: ell[seed] for seed in rec.slots}
-        assert rec.capacity == bucket(rec.R + sum(rec.ell.values()), (4, 8, 10))
+        assert rec.capacity == bucket(rec.R + sum(rec.ell.values()), (1, 2, 4, 8, 10))
 
 
 def test_dspark_sync_breaks_at_the_first_dip():
@@ -602,7 +619,7 @@ def test_metrics_by_hand():
     #   step 0: admit r1, r2 (r3 waits); prefill r1; pass r1: ℓ 2, m 2 → 3 tokens.
     #   step 1: prefill r2; pass r1 (ℓ 2, m 2, 3 tokens: 7 = max) + r2 (ℓ 2, m 0, 1 token).
     #   step 2: admit r3, its prefill token ends it; pass r2: 1 token (3 = max).
-    core, _ = make_core("fixed:2", B=2, L=4, max_model_len=32, num_pages=16,
+    core, runner = make_core("fixed:2", B=2, L=4, max_model_len=32, num_pages=16,
                         accept=lambda seed, rnd: {1: 4, 2: 0, 3: 0}[seed])
     out = Outputs()
     for seed, max_tokens in ((1, 7), (2, 3), (3, 1)):
@@ -625,7 +642,7 @@ def test_metrics_by_hand():
     assert m["verify_tokens_per_pass"] == (3 + 6 + 3) / 3
     # Position 1 reached 4 times (2 accepted, r1), position 2 twice (r1, accepted), 3 and 4 never (ℓ = 2).
     assert m["acceptance_per_position"] == [0.5, 1.0, 0.0, 0.0]
-    assert m["sps_table"] == {4: 1.0, 8: 1.0, 10: 1.0}
+    assert m["sps_table"] == {f"{bb}x{c}@0": 1.0 for bb in (1, 2) for c in runner.capacities}
     assert (m["preemptions_total"], m["aborted_total"]) == (0, 0)
     assert out.chunks("r1") == [((22,), None), ((23, 24, 25), None), ((26, 27, 28), "length")]
     assert out.chunks("r2") == [((42,), None), ((43,), None), ((44,), "length")]
