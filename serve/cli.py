@@ -2,7 +2,8 @@
 
 Loads the engine (`serve.engine.create_engine`), which compiles its capacity buckets and profiles the SPS
 table at start-up, then serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics
-until Ctrl-C. Example:
+until Ctrl-C. If the engine loop dies, the process exits with status 70 (the engine's `exit_on_fatal`, and a
+watchdog here): a supervisor restarts it, rather than a live process answering 503 forever. Example:
 
     python -m dspark_jax.serve --max-batch 32 --port 8000
     curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
@@ -14,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import threading
 
 SCHEDULERS = "none, fixed:N, threshold:X, dspark-sync, dspark"
 KERNELS = ("auto", "reference", "pallas")
@@ -52,6 +55,16 @@ def _positive_int(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
     return n
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = 0.0
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+    return x
 
 
 def _port(value: str) -> int:
@@ -98,6 +111,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--sps-out", default=None, metavar="PATH",
                    help="write the SPS table profiled at start-up ({tokens per pass: steps/s}) to this JSON file")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every /v1/* route (401 otherwise; /health and "
+                        "/metrics stay open). Default: no key")
+    p.add_argument("--max-waiting", type=_positive_int, default=256,
+                   help="requests admitted but not yet started, across the server; beyond it new requests get 429 "
+                        "with Retry-After (default: %(default)s)")
+    p.add_argument("--request-timeout", type=_positive_float, default=600.0, metavar="SECONDS",
+                   help="a request running longer is aborted: 504, or an error event ending its stream "
+                        "(default: %(default)s)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
+                   help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: %(default)s)")
     args = p.parse_args(argv)
     if args.drafter == "none" and args.scheduler not in (None, "none", "fixed:0"):
@@ -120,6 +144,19 @@ def chat_template_of(engine):
     return ChatFormatter.from_tokenizer(engine.tokenizer)
 
 
+def _exit_when_engine_dies(engine, stopping: threading.Event, poll_s: float = 1.0) -> None:
+    """Watchdog thread: exits the process (status 70) once the engine reports unhealthy, unless we are stopping."""
+    while not stopping.wait(poll_s):
+        try:
+            ok = bool(engine.health())
+        except Exception:
+            ok = False
+        if not ok and not stopping.is_set():
+            logging.getLogger(__name__).critical("the engine loop died; exiting with status 70")
+            logging.shutdown()
+            os._exit(70)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -137,9 +174,14 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    if hasattr(engine, "exit_on_fatal"):
+        engine.exit_on_fatal = True  # the engine thread exits the process after failing every request
+    stopping = threading.Event()
     try:
         try:
-            app = build_app(engine, engine.tokenizer, chat_template=chat_template_of(engine))
+            app = build_app(engine, engine.tokenizer, chat_template=chat_template_of(engine), api_key=args.api_key,
+                            max_waiting=args.max_waiting, request_timeout_s=args.request_timeout,
+                            max_body_bytes=args.max_body_bytes)
             if args.sps_out:
                 sps = engine.metrics().get("sps_table") or {}
                 with open(args.sps_out, "w") as f:
@@ -152,8 +194,11 @@ def main(argv=None) -> int:
             print(f"serving {engine.model_name} at {url}/v1 (health: {url}/health, metrics: {url}/metrics)",
                   flush=True)
 
+        threading.Thread(target=_exit_when_engine_dies, args=(engine, stopping), name="engine-watchdog",
+                         daemon=True).start()
         serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
     finally:
+        stopping.set()
         for name in ("close", "stop"):  # whichever the engine has: ends its thread
             if callable(getattr(engine, name, None)):
                 getattr(engine, name)()

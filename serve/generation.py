@@ -1,9 +1,15 @@
 """One HTTP request's engine requests (one per choice) and the bridge from the engine thread into asyncio.
 
 The engine calls each request's `on_output` from its own thread; `loop.call_soon_threadsafe` moves every
-`RequestOutput` onto the Generation's asyncio.Queue, and `events()` turns them into text deltas per choice
-(`ChoiceText`: incremental detokenization and stop strings). A stop string aborts that choice's engine
-request; `abort()` aborts all unfinished ones and is what every early exit of a request calls.
+`RequestOutput` onto the Generation's asyncio.Queue, and `events()` turns them into `Event`s: text deltas per
+choice (`ChoiceText`: incremental detokenization and stop strings) with the logprobs of the tokens whose text
+they complete. A stop string aborts that choice's engine request; `close()` aborts all unfinished ones and is
+what every exit of a request calls.
+
+No wait is unbounded: `events()` wakes every POLL_S to check, besides new outputs, the request's deadline
+(504), the engine's health (503: a dead engine never reports again) and, for non-streamed requests, whether
+the client is still there. `Admission` counts engine requests that have not produced output yet, across the
+server: beyond its bound a new request is refused with 429 before it reaches the engine.
 """
 
 from __future__ import annotations
@@ -15,14 +21,37 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from serve.protocol import APIError
 from serve.stream import ChoiceText
-from serve.types import EngineLike, EngineRequest, RequestOutput, SamplingParams
+from serve.types import EngineLike, EngineRequest, QueueFull, RequestOutput, SamplingParams, TokenLogprob
 
-DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+POLL_S = 0.25  # how often a waiting request checks its deadline, the engine and (non-streamed) its client
+RETRY_AFTER_S = 1
 log = logging.getLogger(__name__)
 
 
 class ClientDisconnected(Exception):
     """The client went away before its (non-streamed) answer was ready."""
+
+
+class Admission:
+    """Engine requests submitted but not started (no output yet), bounded by `max_waiting`."""
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting, self.waiting = max_waiting, 0
+
+    def check(self, n: int) -> None:
+        if self.waiting + n > self.max_waiting:
+            raise APIError(f"the server is at capacity ({self.waiting} requests waiting); retry later", status=429,
+                           type="rate_limit_error", code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """New text of one choice; `logprobs`: (logprob, start of the token's text) of each token it completes."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[tuple[TokenLogprob, int]]
 
 
 @dataclasses.dataclass
@@ -31,38 +60,52 @@ class _Choice:
     request_id: str
     text: ChoiceText
     submitted: bool = False
+    started: bool = False  # left the admission count (first output, or the end)
     engine_done: bool = False  # the engine sent its final report
     finish_reason: str | None = None  # as the client sees it
-    error: str | None = None
+    error: APIError | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    released: int = 0  # logprobs handed out so far
 
 
 class Generation:
     """The engine requests behind one HTTP request, and their outputs as asyncio events.
 
-    Must be created inside the event loop that consumes `events()`.
+    Must be created inside the event loop that consumes `events()`. `timeout_s` bounds the whole request.
     """
 
     def __init__(self, engine: EngineLike, prompt_ids: list[int], params: Sequence[SamplingParams], *,
-                 base_id: str, decode: Callable[[Sequence[int]], str], stop: Sequence[str]):
+                 base_id: str, decode: Callable[[Sequence[int]], str], stop: Sequence[str], admission: Admission,
+                 timeout_s: float):
         self.engine, self.prompt_ids, self.params = engine, prompt_ids, list(params)
+        self.admission = admission
         self.loop = asyncio.get_running_loop()
+        self.deadline, self.timeout_s = self.loop.time() + timeout_s, timeout_s
+        self._next_check = self.loop.time() + POLL_S
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.choices = [_Choice(i, f"{base_id}-{i}", ChoiceText(decode, stop)) for i in range(len(self.params))]
 
     def submit(self) -> None:
-        """Queues every choice; a ValueError from the engine aborts those already queued and is a 400."""
+        """Queues every choice. The engine's ValueError is a 400 and QueueFull a 429; either aborts the choices
+        already queued."""
+        self.admission.check(len(self.choices))
         for c, p in zip(self.choices, self.params, strict=True):
             req = EngineRequest(request_id=c.request_id, prompt_ids=list(self.prompt_ids), params=p,
                                 on_output=self._callback(c.index))
             try:
                 self.engine.add_request(req)
             except ValueError as e:
-                self.abort()  # the choices already queued
-                raise APIError(f"the engine rejected the request: {e}") from None
+                self.close()  # the choices already queued
+                raise APIError(f"the engine rejected the request: {e}", code="engine_rejected") from None
+            except QueueFull as e:
+                self.close()
+                raise APIError(f"the engine's queue is full; retry later ({e})", status=429, type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             except BaseException:
-                self.abort()
+                self.close()
                 raise
             c.submitted = True
+            self.admission.waiting += 1
 
     def _callback(self, index: int) -> Callable[[RequestOutput], None]:
         def on_output(out: RequestOutput) -> None:  # runs on the engine thread
@@ -73,60 +116,93 @@ class Generation:
 
         return on_output
 
-    def abort(self) -> None:
+    def _start(self, c: _Choice) -> None:
+        if c.submitted and not c.started:
+            c.started = True
+            self.admission.waiting -= 1
+
+    def close(self) -> None:
         """Aborts every engine request that has not finished (idempotent; frees their pages)."""
         for c in self.choices:
+            self._start(c)
             if c.submitted and not c.engine_done:
+                c.engine_done = True  # the engine's final report, if any, is not awaited
                 try:
                     self.engine.abort(c.request_id)
                 except Exception:  # cleanup must reach every choice
                     log.exception("engine.abort(%s) failed", c.request_id)
 
-    async def events(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None
-                     ) -> AsyncIterator[tuple[int, str, str | None]]:
-        """Yields (choice index, text delta, finish reason or None) until every choice has finished.
+    async def _next(self, is_disconnected: Callable[[], Awaitable[bool]] | None) -> tuple[int, RequestOutput]:
+        """The next engine output; raises APIError at the deadline or when the engine dies, ClientDisconnected."""
+        while True:
+            now = self.loop.time()
+            if now >= self.deadline:
+                raise APIError(f"the request did not finish within the server's {self.timeout_s:g} s limit",
+                               status=504, code="timeout")
+            # Checked on a clock, not only when idle: outputs may keep arriving for a client long gone.
+            if now >= self._next_check:
+                self._next_check = now + POLL_S
+                if is_disconnected is not None and await is_disconnected():
+                    raise ClientDisconnected
+                if self.queue.empty() and not _healthy(self.engine):  # a dead engine never reports again
+                    raise APIError("the engine stopped while serving this request", status=503, code="engine_down")
+            try:
+                return await asyncio.wait_for(self.queue.get(), min(self._next_check, self.deadline) - now)
+            except TimeoutError:
+                pass
 
-        With `is_disconnected` (non-streamed requests), checks it every DISCONNECT_POLL_S and raises
-        ClientDisconnected once the client is gone; the caller then aborts.
-        """
+    async def events(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Event]:
+        """Yields Events until every choice has finished; raises APIError (deadline, dead engine) or
+        ClientDisconnected (with `is_disconnected`, for non-streamed requests); the caller then closes."""
         pending = len(self.choices)
-        next_check = self.loop.time() + DISCONNECT_POLL_S
         while pending:
-            if is_disconnected is None:
-                index, out = await self.queue.get()
-            else:
-                # Checked on a clock, not only when idle: outputs may keep arriving for a client long gone.
-                if self.loop.time() >= next_check:
-                    if await is_disconnected():
-                        raise ClientDisconnected
-                    next_check = self.loop.time() + DISCONNECT_POLL_S
-                try:
-                    index, out = await asyncio.wait_for(self.queue.get(), next_check - self.loop.time())
-                except TimeoutError:
-                    continue
+            index, out = await self._next(is_disconnected)
             c = self.choices[index]
+            self._start(c)
             final = out.finish_reason is not None
             c.engine_done |= final
             if c.finish_reason is not None:  # e.g. the engine's "abort" report after a stop string
                 continue
+            if out.logprobs is not None:
+                c.logprobs.extend(out.logprobs)
             delta = c.text.add(out.token_ids, final=final)
             if c.text.stopped:
                 c.finish_reason = "stop"
                 if not c.engine_done:
+                    c.engine_done = True
                     self.engine.abort(c.request_id)
             elif final:
-                c.finish_reason, c.error = out.finish_reason, out.error
+                c.finish_reason = out.finish_reason
+                if out.finish_reason == "abort":
+                    c.error = engine_error(out)
             if c.finish_reason is not None:
                 pending -= 1
-            if delta or c.finish_reason is not None:
-                yield index, delta, c.finish_reason
+            logprobs = self._release(c, everything=c.finish_reason is not None)
+            if delta or c.finish_reason is not None or logprobs:
+                yield Event(index, delta, c.finish_reason, logprobs)
+
+    def _release(self, c: _Choice, *, everything: bool) -> list[tuple[TokenLogprob, int]]:
+        """The logprobs of the tokens whose text has now been sent (all the visible ones once finished)."""
+        end = min(c.text.visible if everything else c.text.released(), len(c.logprobs))
+        out = [(c.logprobs[i], c.text.start(i)) for i in range(c.released, end)]
+        c.released = max(c.released, end)
+        return out
 
     def usage(self) -> dict:
         completion = sum(len(c.text.ids) for c in self.choices)
         prompt = len(self.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def engine_error(self, index: int) -> APIError:
-        c = self.choices[index]
-        return APIError(f"the engine aborted the request: {c.error or 'no reason given'}", status=500,
-                        type="server_error", code="engine_abort")
+
+def engine_error(out: RequestOutput) -> APIError:
+    """An aborted engine request as the client sees it: `out.status` (4xx: the request's fault) or 500."""
+    status = out.status if out.status is not None and 400 <= out.status <= 599 else 500
+    return APIError(f"the engine aborted the request: {out.error or 'no reason given'}", status=status,
+                    code="engine_abort")
+
+
+def _healthy(engine: EngineLike) -> bool:
+    try:
+        return bool(engine.health())
+    except Exception:
+        return False

@@ -11,14 +11,16 @@ Names (all prefixed `dspark_`):
   sps{bucket="N"}                          profiled steps/s of a target pass over N tokens (the SPS table)
   free_pages, total_pages                  KV-cache pages
   engine_healthy                           1 while the engine loop is alive
-  http_requests_total{endpoint, status}    answered by this server
+  http_requests_total{endpoint, status}    answered by this server (counted by an ASGI middleware, so that
+                                           errors raised before a route runs, e.g. 401, count too)
+  server_waiting                           engine requests admitted by the server, not yet started
 """
 
 from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "dspark_"
@@ -77,13 +79,43 @@ class EngineCollector:
 
 
 class ServerMetrics:
-    """The app's registry: the engine collector plus counters kept by the HTTP layer."""
+    """The app's registry: the engine collector plus what the HTTP layer keeps.
 
-    def __init__(self, engine):
+    Args:
+      engine: read at scrape time.
+      admission: has `waiting` (serve.generation.Admission).
+    """
+
+    def __init__(self, engine, admission):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine))
         self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by endpoint and status.",
                                      ["endpoint", "status"], registry=self.registry)
+        waiting = Gauge(PREFIX + "server_waiting", "Engine requests admitted by the server, not yet started.",
+                        registry=self.registry)
+        waiting.set_function(lambda: admission.waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def middleware(self, app):
+        """An ASGI middleware (`app.add_middleware(metrics.middleware)`) counting responses by endpoint and status."""
+        counter = self.http_requests
+
+        async def count(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            endpoint = _ENDPOINTS.get(scope.get("path", ""), "other")  # bounded label values
+
+            async def send_counted(message):
+                if message["type"] == "http.response.start":
+                    counter.labels(endpoint, str(message["status"])).inc()
+                await send(message)
+
+            await app(scope, receive, send_counted)
+
+        return count
+
+
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions", "/v1/models": "models",
+              "/health": "health", "/metrics": "metrics"}

@@ -1,83 +1,118 @@
-"""OpenAI request models for `/v1/completions` and `/v1/chat/completions`, and the OpenAI error shape.
+"""OpenAI request models for `/v1/completions` and `/v1/chat/completions`, the body checks, and the error shape.
 
-Requests are pydantic v2 models in strict mode (a JSON int is accepted where a float is expected, nothing
-else is coerced: `"5"` is not an int, `1` is not a bool). Unknown fields are ignored, as OpenAI does.
-Every failure becomes an `APIError`, which the server renders as
+Validation policy: every field is checked here, at the protocol boundary, before anything reaches the engine.
+  * The body: JSON only (`Content-Type: application/json`, else 415), at most the server's body cap (413),
+    nesting at most MAX_JSON_DEPTH levels, no NaN/Infinity literals, an object at the top (400).
+  * Types are strict (pydantic strict mode: a JSON int is accepted where a float is expected, nothing else is
+    coerced: `"5"` is not an int, `1` is not a bool).
+  * Unknown fields are 400 naming the field (code "unknown_parameter"), as OpenAI answers: a field we do not
+    know may change the output, and ignoring it would hand back an answer the client cannot tell is wrong.
+  * Known fields we do not implement are accepted only at their neutral value, the one that leaves the output
+    as if the field were absent; any other value is 400 naming it (code "unsupported_parameter"). See UNSUPPORTED:
+    presence/frequency_penalty 0, repetition_penalty 1, min_p 0, logit_bias {}, best_of = n, echo false, suffix
+    empty, response_format {"type": "text"}, tools/functions absent, tool_choice/function_call "none",
+    parallel_tool_calls absent.
+  * Fields that never change the output are accepted and ignored: user, metadata, store, service_tier,
+    stream_options.include_usage (honoured), and a message's name / tool_call_id.
+  * Ranges (OpenAI's, plus vLLM's top_k, stop_token_ids, ignore_eos): temperature in [0, 2] (below 1e-5 is
+    greedy, 0), top_p in (0, 1], top_k >= -1 (0 and -1 off; the server clamps values >= vocab to off, which is
+    what keeping the whole vocabulary means), seed in int64, n in 1..MAX_N (choice i is seeded seed + i,
+    wrapped in int64), max_tokens in 1..2^31-1 (and prompt + max_tokens <= the model's context, checked by the
+    server), up to MAX_STOP stop strings of 1..MAX_STOP_CHARS characters, up to MAX_STOP_TOKEN_IDS stop token ids,
+    completions `logprobs` in 0..MAX_LOGPROBS, chat `logprobs` a bool and `top_logprobs` in 0..MAX_LOGPROBS
+    (only with logprobs true), at most MAX_MESSAGES messages. Token ids (prompt and stop_token_ids) must be in
+    [0, vocab): the server checks them against `engine.vocab_size`.
+
+Every failure is an `APIError`, which the server renders as
 
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
 
 with status 400 (never FastAPI's 422); an unknown model is 404 with code "model_not_found".
-
-Sampling fields follow OpenAI, plus vLLM's `top_k`, `stop_token_ids` and `ignore_eos`:
-  * temperature in [0, 2] (0 = greedy), top_p in (0, 1], top_k >= 0 (0 or -1 = off);
-  * max_tokens >= 1 (chat also accepts `max_completion_tokens`); omitted, the server picks a default;
-  * stop: a string or up to 4 strings (the server truncates the text before the first match);
-  * n in 1..8 choices, each its own engine request with seed seed+i.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
+import numpy as np
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from serve.types import MAX_LOGPROBS
+
 MAX_N = 8
 MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 1024
+MAX_JSON_DEPTH = 32
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM does): the softmax would overflow anyway
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+TokenId = Annotated[int, Field(ge=0)]  # and < vocab: the server checks that against the engine
 
 
 class APIError(Exception):
-    """An error the server answers with OpenAI's JSON error shape."""
+    """An error the server answers with OpenAI's JSON error shape (and `headers`, e.g. Retry-After)."""
 
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, *, status: int = 400, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.type = type or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
+
+class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class _Request(BaseModel):
+class _Request(_Strict):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
+    model: str = Field(max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     n: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
-    user: Any = None  # accepted and ignored
+    # Known but unimplemented: accepted only at the neutral value (UNSUPPORTED).
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None
+    # Harmless: never change the output.
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=64)
 
     @field_validator("stop", mode="after")
     @classmethod
     def _check_stop(cls, v):
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(v)}")
-        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
-            raise ValueError("stop sequences must be non-empty strings")
-        return v
-
-    @field_validator("stop_token_ids", mode="after")
-    @classmethod
-    def _check_stop_ids(cls, v):
-        if v is not None and any(i < 0 for i in v):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
+        if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must have 1..{MAX_STOP_CHARS} characters")
         return v
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -89,11 +124,48 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def logprobs_k(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its top k alternatives."""
+        raise NotImplementedError
+
+    def check_supported(self) -> None:
+        """Raises APIError (400) for a known parameter set to a value this server does not implement."""
+        for name, (neutral, why) in UNSUPPORTED.items():
+            v = getattr(self, name, None)
+            if v is not None and not neutral(v, self):
+                raise APIError(f"unsupported value for '{name}': {why}", param=name, code="unsupported_parameter")
+
+
+# field -> (is the value neutral?, what this server supports). A value that is not neutral would change the
+# output or its format in a way this server does not implement.
+UNSUPPORTED = {
+    "presence_penalty": (lambda v, r: v == 0, "penalties are not implemented; only 0 is accepted"),
+    "frequency_penalty": (lambda v, r: v == 0, "penalties are not implemented; only 0 is accepted"),
+    "repetition_penalty": (lambda v, r: v == 1, "penalties are not implemented; only 1 is accepted"),
+    "min_p": (lambda v, r: v == 0, "min_p filtering is not implemented; only 0 is accepted"),
+    "logit_bias": (lambda v, r: not v, "logit_bias is not implemented; only {} is accepted"),
+    "best_of": (lambda v, r: v == (r.n or 1), "best_of is not implemented; it must equal n"),
+    "echo": (lambda v, r: v is False, "echo is not implemented; only false is accepted"),
+    "suffix": (lambda v, r: v == "", "suffix (insertion) is not implemented"),
+    "response_format": (lambda v, r: v.type == "text" and not v.model_extra,
+                        'structured output is not implemented; only {"type": "text"} is accepted'),
+    "tools": (lambda v, r: False, "tool calling is not implemented"),
+    "functions": (lambda v, r: False, "function calling is not implemented"),
+    "tool_choice": (lambda v, r: v == "none", 'tool calling is not implemented; only "none" is accepted'),
+    "function_call": (lambda v, r: v == "none", 'function calling is not implemented; only "none" is accepted'),
+    "parallel_tool_calls": (lambda v, r: False, "tool calling is not implemented"),
+}
+
 
 class CompletionRequest(_Request):
     """`POST /v1/completions`: `prompt` is a string, a list of one string, or a list of token ids."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1,
+                                                                                          max_length=1)]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    echo: bool | None = None
+    suffix: str | None = Field(None, max_length=MAX_STOP_CHARS)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -110,19 +182,20 @@ class CompletionRequest(_Request):
             return v
         raise ValueError("prompt must be a string, a list of one string, or a non-empty list of token ids")
 
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
 
+class ContentPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, max_length=256)  # harmless: templates that ignore it give the same prompt
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         """The content as one string (text parts concatenated)."""
@@ -133,53 +206,111 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(_Request):
     """`POST /v1/chat/completions`: `messages` are rendered by the model's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def max_new_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens; the newer one wins.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
+
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_request(body: bytes, model_cls: type[_Request]):
     """Parses a raw request body into `model_cls`; raises APIError (400) for malformed JSON or bad fields."""
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(f"the request body nests {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed",
+                       code="invalid_json")
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body, parse_constant=_no_constants)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise APIError(f"malformed JSON in request body: {e}", code="invalid_json") from None
+    if _SURROGATE.search(body):  # "\ud800" parses to a str that no tokenizer accepts (it is not Unicode text)
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError("the request body holds an unpaired UTF-16 surrogate escape", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:
-        return model_cls.model_validate(data)
+        req = model_cls.model_validate(data)
     except pydantic.ValidationError as e:
         raise validation_error(e) from None
+    req.check_supported()
+    req.logprobs_k()  # raises for inconsistent logprobs fields
+    return req
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_STEP = np.zeros(256, np.int8)
+_STEP[[ord("["), ord("{")]], _STEP[[ord("]"), ord("}")]] = 1, -1
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of [ and { in a JSON text (strings skipped), in C-speed passes: json.loads itself
+    recurses once per level and overflows the stack (RecursionError) on a hostile body."""
+    skeleton = _STRING.sub(b"", body)
+    if not skeleton:
+        return 0
+    return int(np.cumsum(_STEP[np.frombuffer(skeleton, np.uint8)], dtype=np.int64).max(initial=0))
 
 
 def validation_error(e: pydantic.ValidationError) -> APIError:
     """The first validation error as an APIError naming the offending field (`messages.0.content`)."""
-    err = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    # An unknown field is the likeliest mistake to explain; report it before the type errors it may cause.
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
     # Union members add their type name to the location (`stop.list[str].0`); keep only real field names.
-    loc = [str(p) for p in err["loc"] if isinstance(p, int) or "[" not in str(p) and p not in ("str", "int")]
+    loc = [str(p) for p in err["loc"] if isinstance(p, int) or "[" not in str(p) and p not in _UNION_TAGS]
     param = ".".join(loc) or None
     msg = err["msg"].removeprefix("Value error, ")
+    code = "invalid_value"
     if err["type"] == "missing":
-        msg = f"'{param}' is a required property"
+        msg, code = f"'{param}' is a required property", "missing_required"
+    elif err["type"] == "extra_forbidden":
+        msg, code = f"unrecognized request argument: '{param}'", "unknown_parameter"
     elif param and err["type"] != "value_error":  # our own messages already say what is wrong
         got = err.get("input")
         shown = json.dumps(got)[:80] if _is_json(got) else type(got).__name__
         msg = f"invalid value for '{param}': {msg} (got {shown})"
-    return APIError(msg, param=param, code="invalid_value" if err["type"] != "missing" else "missing_required")
+    return APIError(msg, param=param, code=code)
+
+
+_UNION_TAGS = ("str", "int", "bool", "float", "ContentPart", "ResponseFormat")
 
 
 def _is_json(x) -> bool:
     try:
-        json.dumps(x)
+        json.dumps(x, allow_nan=False)
         return True
     except (TypeError, ValueError):
         return False

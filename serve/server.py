@@ -1,40 +1,61 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an `EngineLike` (serve/types.py).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON, or SSE `data: {...}` chunks ending with
-`data: [DONE]` when `stream` is true), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+`data: [DONE]` when `stream` is true), GET /v1/models, GET /health, GET /metrics (Prometheus text), and the
+OpenAPI schema of all of them at /openapi.json (request bodies from serve/protocol.py, responses from
+serve/responses.py; /docs renders it).
 
-Here: validation (serve/protocol.py), tokenization, the context-length check, sampling parameters, and
-the OpenAI response and chunk formats. One HTTP request becomes one `Generation` (serve/generation.py): n
-engine requests (one per choice, seeds seed+i) whose outputs reach the event loop from the engine thread.
-Every way a request can end early (client disconnect during a stream or while waiting for a non-streamed
-answer, task cancellation, an error) aborts its unfinished engine requests, which frees their KV pages.
+A POST passes, in order: the API key (401, when the server has one), the body checks (415 not JSON, 413 over
+`max_body_bytes`, 408 not sent within BODY_TIMEOUT_S), parsing and validation (400, serve/protocol.py), the model
+(404), the engine's health (503), admission (429 beyond `max_waiting` requests not yet started, or the engine's
+QueueFull), then tokenization and the chat template in a worker thread (the event loop never blocks on a long
+prompt), the context and vocabulary checks (400), and the engine. One HTTP request becomes one `Generation`
+(serve/generation.py): n engine requests (one per choice, seeds seed+i) whose outputs reach the event loop from
+the engine thread. Every way a request ends early (client disconnect during a stream or while waiting for a
+non-streamed answer, task cancellation, `request_timeout_s` (504), a dead engine (503), an error) aborts its
+unfinished engine requests, which frees their KV pages. A request the engine fails answers the status the engine
+gives it (4xx: the request's fault; else 500), as an error event in a stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import json
+import hmac
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import fastapi
 import jinja2
 import uvicorn
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.generation import ClientDisconnected, Generation
+from serve import responses as R
+from serve.generation import Admission, ClientDisconnected, Generation
 from serve.metrics import ServerMetrics
-from serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from serve.protocol import INT64_MAX, MIN_TEMPERATURE, APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from serve.text import as_text_tokenizer
 from serve.types import EngineLike, SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_BODY_BYTES = 4 << 20
+BODY_TIMEOUT_S = 30.0
 log = logging.getLogger(__name__)
+
+_ERRORS = {s: {"model": R.ErrorResponse, "description": d} for s, d in {
+    400: "Invalid request (OpenAI error JSON naming the parameter)", 401: "Missing or wrong API key",
+    404: "Unknown model", 408: "Body not received in time", 413: "Body too large", 415: "Body is not JSON",
+    429: "Server at capacity (Retry-After)", 500: "Internal error", 503: "Engine not running",
+    504: "Request exceeded the server's time limit"}.items()}
+_SSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
+                                  "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
 
 
 class _SSEResponse(StreamingResponse):
@@ -51,29 +72,69 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[dict]], list[int]]) -> fastapi.FastAPI:
+async def read_body(request: fastapi.Request, max_bytes: int) -> bytes:
+    """The body of a JSON request: 415 unless `Content-Type: application/json`, 413 over `max_bytes` (by the
+    declared length or while reading), 408 unless it arrives within BODY_TIMEOUT_S."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";")[0].strip().lower() != "application/json":
+        raise APIError(f"the request body must be JSON with Content-Type: application/json (got {ctype!r})",
+                       status=415, code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(f"the request body has {declared} bytes; at most {max_bytes} are allowed", status=413,
+                       code="body_too_large")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise APIError(f"the request body exceeds {max_bytes} bytes", status=413, code="body_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", status=408,
+                       code="timeout") from None
+    return b"".join(chunks)
+
+
+def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[dict]], list[int]],
+              api_key: str | None = None, max_waiting: int = 256, request_timeout_s: float = 600.0,
+              max_body_bytes: int = MAX_BODY_BYTES) -> fastapi.FastAPI:
     """The FastAPI app serving `engine`.
 
     Args:
-      engine: satisfies `EngineLike` (`model_name`, `max_model_len`, `add_request`, `abort`, `metrics`,
-        `health`); its thread calls each request's `on_output`.
+      engine: satisfies `EngineLike` (`model_name`, `max_model_len`, `vocab_size`, `add_request`, `abort`,
+        `metrics`, `health`); its thread calls each request's `on_output`.
       tokenizer: the target's tokenizer: a `tokenizers.Tokenizer`, a transformers tokenizer, or anything with
         `encode(text) -> list[int]` and `decode(ids) -> str`.
       chat_template: OpenAI messages (dicts with role, content) -> prompt token ids, generation prompt
         included (e.g. `serve.text.ChatFormatter`).
+      api_key: when set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise).
+      max_waiting: engine requests admitted but not yet started, across the server; beyond it 429.
+      request_timeout_s: a request running longer is aborted (504, or an error event in a stream).
+      max_body_bytes: request bodies above it are refused (413).
     """
     tok = as_text_tokenizer(tokenizer)
-    metrics = ServerMetrics(engine)
+    names = R.TokenStrings(tok.decode)
+    vocab = int(engine.vocab_size)
+    admission = Admission(max_waiting)
+    metrics = ServerMetrics(engine, admission)
     app = fastapi.FastAPI(title="dspark-jax", description="OpenAI-compatible DSpark speculative decoding server")
     app.state.engine = engine
+    bearer = HTTPBearer(auto_error=False, description="The server's --api-key")
+
+    async def require_key(request: fastapi.Request,
+                          creds=fastapi.Security(bearer)) -> None:  # noqa: B008 (FastAPI's idiom)
+        given = creds.credentials if creds is not None else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", status=401,
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = [fastapi.Depends(require_key)] if api_key else []
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -93,6 +154,7 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
         return error_response(_internal_error(e))
 
     def prompt_of(req) -> list[int]:
+        """Runs in a worker thread: tokenization and templates cost O(prompt)."""
         if isinstance(req, ChatCompletionRequest):
             try:
                 ids = list(chat_template(req.message_dicts()))
@@ -107,6 +169,9 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
                 ids = tok.encode(p if isinstance(p, str) else p[0])
         if not ids:
             raise APIError("the prompt is empty", param=param)
+        if max(ids) >= vocab:
+            raise APIError(f"prompt token id {max(ids)} is outside the vocabulary [0, {vocab})", param=param,
+                           code="invalid_value")
         return ids
 
     def sampling_of(req, prompt_len: int) -> list[SamplingParams]:
@@ -125,58 +190,78 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                            f"completion). Reduce the prompt or max_tokens.", param=param,
                            code="context_length_exceeded")
-        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0  # 0 and -1 both mean off
-        base = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        stop_ids = tuple(req.stop_token_ids or ())
+        if stop_ids and max(stop_ids) >= vocab:
+            raise APIError(f"stop token id {max(stop_ids)} is outside the vocabulary [0, {vocab})",
+                           param="stop_token_ids", code="invalid_value")
+        top_k = req.top_k or 0
+        top_k = top_k if 0 < top_k < vocab else 0  # -1 and 0 are off; keeping >= vocab tokens is keeping all
+        temperature = 1.0 if req.temperature is None else req.temperature
+        base = SamplingParams(max_tokens=max_tokens, temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
                               top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed,
-                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos))
-        return [dataclasses.replace(base, seed=None if req.seed is None else req.seed + i) for i in range(req.n or 1)]
+                              stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), logprobs=req.logprobs_k())
+        return [dataclasses.replace(base, seed=None if req.seed is None else _wrap_int64(req.seed + i))
+                for i in range(req.n or 1)]
 
-    async def serve(request: fastapi.Request, endpoint: str, model_cls) -> Response:
+    async def serve(request: fastapi.Request, model_cls) -> Response:
+        gen = None
         try:
-            req = parse_request(await request.body(), model_cls)
+            req = parse_request(await read_body(request, max_body_bytes), model_cls)
             if req.model != engine.model_name:
                 raise APIError(f"The model '{req.model}' does not exist; this server serves '{engine.model_name}'.",
                                status=404, param="model", code="model_not_found")
             if not engine.health():
-                raise APIError("the engine is not running", status=503, type="server_error", code="engine_down")
-            prompt_ids = prompt_of(req)
+                raise APIError("the engine is not running", status=503, code="engine_down")
+            admission.check(req.n or 1)
+            prompt_ids = await asyncio.to_thread(prompt_of, req)
             params = sampling_of(req, len(prompt_ids))
             chat = model_cls is ChatCompletionRequest
             base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            gen = Generation(engine, prompt_ids, params, base_id=base_id, decode=tok.decode, stop=req.stop_strings())
+            gen = Generation(engine, prompt_ids, params, base_id=base_id, decode=tok.decode, stop=req.stop_strings(),
+                             admission=admission, timeout_s=request_timeout_s)
             gen.submit()
             head = {"id": base_id, "created": int(time.time()), "model": engine.model_name}
+            want_logprobs = params[0].logprobs is not None
             if req.stream:
-                chunks = (_chat_stream if chat else _completion_stream)(gen, head, req.include_usage)
-                response: Response = _SSEResponse(chunks, on_close=gen.abort)
+                stream = R.chat_stream if chat else R.completion_stream
+                response: Response = _SSEResponse(stream(gen, head, req.include_usage, want_logprobs, names),
+                                                  on_close=gen.close)
+                gen = None  # the response closes it
             else:
-                try:
-                    response = JSONResponse(await _collect(gen, head, chat, request.is_disconnected))
-                finally:
-                    gen.abort()
+                response = JSONResponse(await R.collect(gen, head, chat, want_logprobs, names, request.is_disconnected))
         except APIError as e:
             response = error_response(e)
         except ClientDisconnected:
             response = Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         except Exception as e:
             response = error_response(_internal_error(e))
-        metrics.http_requests.labels(endpoint, str(response.status_code)).inc()
+        finally:
+            if gen is not None:
+                gen.close()
         return response
 
-    @app.post("/v1/completions")
+    def body_doc(model) -> dict:
+        return {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+    @app.post("/v1/completions", dependencies=v1, response_model=R.CompletionResponse, openapi_extra=body_doc(
+        CompletionRequest), responses={200: {"content": _SSE_DOC}, **_ERRORS})
     async def completions(request: fastapi.Request) -> Response:
-        return await serve(request, "completions", CompletionRequest)
+        """Text completion (OpenAI `POST /v1/completions`); SSE chunks when `stream` is true."""
+        return await serve(request, CompletionRequest)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1, response_model=R.ChatCompletionResponse, openapi_extra=body_doc(
+        ChatCompletionRequest), responses={200: {"content": _SSE_DOC}, **_ERRORS})
     async def chat_completions(request: fastapi.Request) -> Response:
-        return await serve(request, "chat_completions", ChatCompletionRequest)
+        """Chat completion (OpenAI `POST /v1/chat/completions`); SSE chunks when `stream` is true."""
+        return await serve(request, ChatCompletionRequest)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1, response_model=R.ModelList, responses={401: _ERRORS[401]})
     async def models() -> dict:
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
                                             "owned_by": "dspark-jax", "max_model_len": engine.max_model_len}]}
 
-    @app.get("/health")
+    @app.get("/health", response_model=R.HealthStatus, responses={503: {"model": R.HealthStatus}})
     async def health() -> Response:
         try:
             ok = bool(engine.health())
@@ -184,67 +269,43 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
             ok = False
         return JSONResponse({"status": "ok"} if ok else {"status": "unhealthy"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def openapi() -> dict:
+        """FastAPI's schema plus the request bodies the routes parse themselves, token ids bounded by the vocab."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(doc.pop("$defs", {}))
+                components[model.__name__] = doc
+            _bound_token_ids(components["CompletionRequest"]["properties"]["prompt"], vocab)
+            for model in (CompletionRequest, ChatCompletionRequest):
+                _bound_token_ids(components[model.__name__]["properties"]["stop_token_ids"], vocab)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    app.add_middleware(metrics.middleware)
     return app
+
+
+def _bound_token_ids(prop: dict, vocab: int) -> None:
+    for alt in prop.get("anyOf", [prop]):
+        if alt.get("type") == "array" and alt.get("items", {}).get("type") == "integer":
+            alt["items"]["maximum"] = vocab - 1
+
+
+def _wrap_int64(x: int) -> int:
+    return (x + INT64_MAX + 1) % (1 << 64) - INT64_MAX - 1
 
 
 def _internal_error(e: Exception) -> APIError:
     log.exception("unexpected error while serving a request", exc_info=e)
-    return APIError(f"internal server error: {type(e).__name__}: {e}", status=500, type="server_error")
-
-
-async def _collect(gen: Generation, head: dict, chat: bool, is_disconnected) -> dict:
-    """Waits for every choice; the non-streamed response body."""
-    async for index, _, finish in gen.events(is_disconnected):
-        if finish == "abort":
-            raise gen.engine_error(index)
-    choices = []
-    for c in gen.choices:
-        if chat:
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                            "logprobs": None, "finish_reason": c.finish_reason})
-        else:
-            choices.append({"index": c.index, "text": c.text.text, "logprobs": None, "finish_reason": c.finish_reason})
-    obj = "chat.completion" if chat else "text_completion"
-    return {**head, "object": obj, "choices": choices, "usage": gen.usage()}
-
-
-async def _completion_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[str]:
-    head = {**head, "object": "text_completion"}
-    async for index, delta, finish in gen.events():
-        if finish == "abort":
-            yield _sse(gen.engine_error(index).body())
-            break
-        yield _sse({**head, "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": finish}]})
-    else:
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": gen.usage()})
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[str]:
-    head = {**head, "object": "chat.completion.chunk"}
-
-    def chunk(index, delta, finish=None):
-        return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]})
-
-    for c in gen.choices:  # OpenAI opens every choice with the role and empty content
-        yield chunk(c.index, {"role": "assistant", "content": ""})
-    async for index, delta, finish in gen.events():
-        if finish == "abort":
-            yield _sse(gen.engine_error(index).body())
-            break
-        if delta:
-            yield chunk(index, {"content": delta})
-        if finish is not None:
-            yield chunk(index, {}, finish)
-    else:
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": gen.usage()})
-    yield "data: [DONE]\n\n"
+    return APIError(f"internal server error: {type(e).__name__}: {e}", status=500)
 
 
 class _Server(uvicorn.Server):
@@ -264,7 +325,7 @@ class _Server(uvicorn.Server):
                 self.on_ready(self.url)
 
 
-def serve_forever(app: fastapi.FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
                   on_ready: Callable[[str], None] | None = None) -> None:
     """Serves `app` until SIGINT/SIGTERM; calls `on_ready(url)` once listening."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
@@ -277,7 +338,7 @@ class ServerThread:
     Port 0 picks a free port. Entering waits until the server listens; leaving shuts it down.
     """
 
-    def __init__(self, app: fastapi.FastAPI, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
                  startup_timeout_s: float = 30.0):
         self.app, self.host, self.port, self.log_level = app, host, port, log_level
         self.startup_timeout_s = startup_timeout_s
@@ -301,4 +362,3 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
-

@@ -25,6 +25,21 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k in 0..MAX_LOGPROBS: each emitted token's logprob and the top k
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token (raw model distribution: log_softmax of the logits,
+    before temperature and filtering, as vLLM reports by default) and the `top` most likely alternatives
+    (token id, logprob), most likely first. Lossless verification makes these exactly target-only values."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +52,8 @@ class RequestOutput:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # aligned with token_ids when the request asked for them
+    status: int | None = None  # with error: the HTTP status the failure maps to (4xx: the request's fault)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,14 +64,21 @@ class EngineRequest:
     on_output: Callable[[RequestOutput], None]
 
 
+class QueueFull(Exception):
+    """The engine's waiting queue is at its bound; the server answers 429 with Retry-After."""
+
+
 class EngineLike(Protocol):
     """What the server needs from an engine."""
 
     model_name: str
     max_model_len: int  # prompt + max_tokens must fit; the server answers 400 otherwise
+    vocab_size: int  # token ids (prompts, stop_token_ids) must be in [0, vocab_size)
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queues a request (thread-safe). Raises ValueError for a request it can never serve."""
+        """Queues a request (thread-safe). Raises ValueError (→ 400) for a request it can never serve: empty
+        prompt, a token id outside [0, vocab_size), prompt + max_tokens over max_model_len, bad sampling values.
+        Raises `QueueFull` (→ 429) when its bounded waiting queue is full."""
 
     def abort(self, request_id: str) -> None:
         """Cancels a request (thread-safe, idempotent); its pages are freed at once. It gets a final

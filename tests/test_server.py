@@ -5,8 +5,10 @@ where offset = seed when sampling with a seed and 0 otherwise (so greedy ignores
 an n > 1 request, seeded seed + i, differs from choice 0). Tokens come `per_report` at a time from a worker
 thread every `step_s`. It honours max_tokens, the model's context, stop_token_ids, EOS (id 100) unless
 ignore_eos, and abort; each request holds KV "pages" from admission to its end, so tests can assert that
-every way a request ends gives them back. Prompts that start with token 98 are aborted with an error;
-prompts that start with 99 make add_request raise RuntimeError (an engine bug → 500).
+every way a request ends gives them back. With `logprobs=k`, token t has logprob `fake_logprob(t)` and the
+alternatives `fake_top(t, k)`. Prompts that start with token 98 are aborted with an error (no status: a 500),
+97 with an error of status 400 (the request's fault); prompts that start with 99 make add_request raise
+RuntimeError (an engine bug → 500). `queue_limit` makes add_request raise QueueFull beyond that many waiting.
 
 The tokenizer is a word-level `tokenizers.Tokenizer` over "t0".."t99" plus chat specials (no download);
 decoding joins words with spaces, so `text(ids) == " ".join(f"t{i}")`.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import sys
 import threading
 import time
@@ -26,14 +29,16 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import serve.server
 from serve import cli
+from serve import responses as R
 from serve.server import ServerThread, build_app
 from serve.stream import ChoiceText
 from serve.text import ChatFormatter, TokenizerAdapter
-from serve.types import EngineRequest, RequestOutput
+from serve.types import EngineRequest, QueueFull, RequestOutput, TokenLogprob
 
 MODEL = "fake-model"
 EOS, IM_START, UNK = 100, 101, 102
@@ -43,6 +48,15 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% e
 
 def next_token(prev: int, offset: int = 0) -> int:
     return (prev * 7 + 3 + offset) % 100
+
+
+def fake_logprob(t: int) -> float:
+    return -0.25 - t / 64
+
+
+def fake_top(t: int, k: int) -> tuple[tuple[int, float], ...]:
+    """k alternatives, most likely first; the 20th (k = MAX_LOGPROBS) is -inf, which JSON cannot carry."""
+    return tuple(((t + 1 + j) % 100, -1.0 - j if j < 19 else float("-inf")) for j in range(k))
 
 
 def expected_ids(last_prompt_id: int, n: int, offset: int = 0) -> list[int]:
@@ -61,12 +75,15 @@ class FakeEngine:
     """EngineLike with hand-computable outputs, a worker thread, and page accounting."""
 
     model_name = MODEL
+    vocab_size = UNK + 1
 
     def __init__(self, *, max_model_len=256, page_size=4, total_pages=256, max_batch=8, per_report=3, step_s=0.002):
         self.max_model_len, self.page_size, self.total_pages = max_model_len, page_size, total_pages
         self.max_batch, self.per_report, self.step_s = max_batch, per_report, step_s
         self.free_pages = total_pages
         self.broken = False
+        self.queue_limit: int | None = None
+        self.paused = False  # admit nothing: requests stay waiting
         self.aborted: list[str] = []
         self.added: list[EngineRequest] = []
         self._lock = threading.Lock()
@@ -89,6 +106,8 @@ class FakeEngine:
         if len(request.prompt_ids) + request.params.max_tokens > self.max_model_len:
             raise ValueError("too long")  # the server must have caught this before
         with self._lock:
+            if self.queue_limit is not None and len(self._waiting) >= self.queue_limit:
+                raise QueueFull(f"{len(self._waiting)} waiting")
             self.added.append(request)
             self._counts["requests_total"] += 1
             self._waiting.append(dict(req=request, generated=[], last=request.prompt_ids[-1]))
@@ -109,7 +128,7 @@ class FakeEngine:
     def _step(self) -> list[tuple[EngineRequest, RequestOutput]]:
         with self._lock:
             reports, self._finals = self._finals, []
-            while self._waiting and len(self._running) < self.max_batch:
+            while self._waiting and len(self._running) < self.max_batch and not self.paused:
                 need = self.pages_for(self._waiting[0]["req"])
                 if need > self.free_pages:
                     break
@@ -121,8 +140,10 @@ class FakeEngine:
                 self._counts["steps_total"] += 1
             for rid, s in list(self._running.items()):
                 req, p = s["req"], s["req"].params
-                if req.prompt_ids[0] == 98:
-                    out = RequestOutput(request_id=rid, token_ids=(), finish_reason="abort", error="fake failure")
+                if req.prompt_ids[0] in (97, 98):
+                    status = 400 if req.prompt_ids[0] == 97 else None
+                    out = RequestOutput(request_id=rid, token_ids=(), finish_reason="abort", error="fake failure",
+                                        status=status)
                     finish = "abort"
                 else:
                     offset = p.seed if p.temperature > 0 and p.seed is not None else 0
@@ -139,7 +160,9 @@ class FakeEngine:
                             break
                     s["generated"] += new
                     self._counts["generation_tokens_total"] += len(new)
-                    out = RequestOutput(request_id=rid, token_ids=tuple(new), finish_reason=finish)
+                    lps = None if p.logprobs is None else tuple(
+                        TokenLogprob(token_id=t, logprob=fake_logprob(t), top=fake_top(t, p.logprobs)) for t in new)
+                    out = RequestOutput(request_id=rid, token_ids=tuple(new), finish_reason=finish, logprobs=lps)
                 if finish is not None:
                     del self._running[rid]
                     self.free_pages += self.pages_for(req)
@@ -162,6 +185,7 @@ class FakeEngine:
         return self._thread.is_alive() and not self.broken
 
     def close(self):
+        """Stops the worker thread: later requests never get another report, and health() turns False."""
         self._stop.set()
         self._thread.join()
 
@@ -368,7 +392,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/completions", {"prompt": "t1"}, 400, "model"),
-    ("/v1/completions", {"model": MODEL, "prompt": [500]}, 400, None),  # the engine's ValueError
+    ("/v1/completions", {"model": MODEL, "prompt": [500]}, 400, "prompt"),  # outside the vocabulary
     ("/v1/completions", {"model": "gpt-4", "prompt": "t1"}, 404, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1 " * 250, "max_tokens": 10}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1 " * 256}, 400, "prompt"),
@@ -385,7 +409,8 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
 def test_bad_requests(http, path, body, status, param):
-    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    r = (http.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes)
+         else http.post(path, json=body))
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param, err
@@ -495,12 +520,14 @@ def test_cli_help_and_bad_flags(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--target", "--drafter", "--scheduler", "--max-batch", "--max-model-len", "--page-size", "--host",
-                 "--port", "--kernels", "--sps-out", "--log-level"):
+                 "--port", "--kernels", "--sps-out", "--log-level", "--api-key", "--max-waiting", "--request-timeout",
+                 "--max-body-bytes"):
         assert flag in out
     for bad in (["--scheduler", "fixed:-1"], ["--scheduler", "fixed"], ["--scheduler", "threshold:2"],
                 ["--scheduler", "magic"], ["--scheduler", "dspark:3"],
                 ["--max-batch", "0"], ["--port", "70000"], ["--kernels", "cuda"], ["--log-level", "loud"],
-                ["--drafter", "none", "--scheduler", "dspark"], ["--bogus"]):
+                ["--drafter", "none", "--scheduler", "dspark"], ["--bogus"], ["--max-waiting", "0"],
+                ["--request-timeout", "0"], ["--request-timeout", "inf"], ["--max-body-bytes", "-1"]):
         with pytest.raises(SystemExit) as e:
             cli.parse_args(bad)
         err = capsys.readouterr().err
@@ -518,17 +545,24 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
         eng = FakeEngine()
         eng.tokenizer = make_tokenizer()
         eng.chat_template = ChatFormatter(TEMPLATE, TokenizerAdapter(eng.tokenizer).encode)
+        eng.exit_on_fatal = False
         calls["engine"] = eng
         return eng
 
     def serve_forever(app, host, port, *, log_level, on_ready):
         calls["serve"] = (host, port, log_level, [r.path for r in app.routes])
+        with TestClient(app) as c:  # the flags reached the app
+            assert c.post("/v1/completions", json={"model": MODEL, "prompt": "t1"}).status_code == 401
+            r = c.post("/v1/completions", headers={"authorization": "Bearer k"},
+                       json={"model": MODEL, "prompt": "t1 " * 20, "max_tokens": 1})
+            assert r.status_code == 413
         on_ready(f"http://{host}:{port}")
 
     monkeypatch.setitem(sys.modules, "serve.engine", types.SimpleNamespace(create_engine=create_engine))
     monkeypatch.setattr(serve.server, "serve_forever", serve_forever)
     sps = tmp_path / "sps.json"
-    assert cli.main(["--drafter", "none", "--port", "8123", "--sps-out", str(sps), "--log-level", "warning"]) == 0
+    assert cli.main(["--drafter", "none", "--port", "8123", "--sps-out", str(sps), "--log-level", "warning",
+                     "--api-key", "k", "--max-body-bytes", "40"]) == 0
     assert calls["kw"] == dict(target="smollm2-135m-instruct", drafter=None, scheduler="none", max_batch=16,
                                max_model_len=2048, page_size=16, num_pages=None, kernels="auto", mesh_shape=(1, 1),
                                progress=True)
@@ -536,3 +570,124 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
     assert "http://127.0.0.1:8123" in capsys.readouterr().out
     assert json.loads(sps.read_text()) == {"16": 50.0, "32": 45.5}
     assert not calls["engine"]._thread.is_alive()  # main closes the engine on the way out
+    assert calls["engine"].exit_on_fatal  # a dead engine loop ends the process
+
+
+def _top(t: int, k: int, *, chosen: bool) -> dict:
+    top = {f"t{a}": max(lp, -9999.0) for a, lp in fake_top(t, k)}
+    return top | ({f"t{t}": fake_logprob(t)} if chosen and f"t{t}" not in top else {})
+
+
+def test_completion_logprobs(client):
+    ids = expected_ids(1, 5)  # 10, 73, 14, 1, 10
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"t{t}" for t in ids]
+    assert lp.token_logprobs == [fake_logprob(t) for t in ids]
+    assert lp.top_logprobs == [_top(t, 2, chosen=True) for t in ids]  # k alternatives + the chosen token
+    assert lp.text_offset == [0, 3, 7, 11, 14]  # "t10 t73 t14 t1 t10": each token's text starts with its space
+    r0 = client.completions.create(model=MODEL, prompt="t1", max_tokens=2, logprobs=0)
+    assert r0.choices[0].logprobs.top_logprobs == [{"t10": fake_logprob(10)}, {"t73": fake_logprob(73)}]
+    assert client.completions.create(model=MODEL, prompt="t1", max_tokens=2).choices[0].logprobs is None
+    chunks = list(client.completions.create(model=MODEL, prompt="t1", max_tokens=5, logprobs=2, stream=True))
+    streamed = {k: sum((getattr(c.choices[0].logprobs, k) for c in chunks if c.choices[0].logprobs), [])
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed == {k: getattr(lp, k) for k in streamed}
+    # A stop string cuts the text inside token 3 (" t14"): its logprob stays, the ones after it go.
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=50, logprobs=1, stop="t14")
+    assert r.choices[0].text == "t10 t73 " and r.choices[0].logprobs.tokens == ["t10", "t73", "t14"]
+
+
+def test_chat_logprobs(client, http):
+    ids = expected_ids(IM_START, 4)
+    msgs = [{"role": "user", "content": "t1"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=20)
+    content = r.choices[0].logprobs.content
+    assert [(c.token, c.logprob, c.bytes) for c in content] == [(f"t{t}", fake_logprob(t), list(f"t{t}".encode()))
+                                                                 for t in ids]
+    for c, t in zip(content, ids, strict=True):
+        assert {a.token: a.logprob for a in c.top_logprobs} == _top(t, 20, chosen=False)
+        assert len(c.top_logprobs) == 20 and c.top_logprobs[-1].logprob == -9999.0  # -inf is not JSON
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, logprobs=True)
+    assert [c.top_logprobs for c in r.choices[0].logprobs.content] == [[], []]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, logprobs=True,
+                                                 top_logprobs=20, stream=True, n=2))
+    for i in range(2):
+        got = [x for c in chunks for ch in c.choices if ch.index == i and ch.logprobs for x in ch.logprobs.content]
+        assert got == content
+    body = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4,
+                                                   "logprobs": True, "top_logprobs": 20}).json()
+    R.ChatCompletionResponse.model_validate(body)  # the shape /openapi.json promises
+
+
+def test_openapi_schema_describes_bodies_and_responses(http):
+    r = http.get("/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    schemas = doc["components"]["schemas"]
+    for path, req, res in (("/v1/completions", "CompletionRequest", "CompletionResponse"),
+                           ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{req}"}
+        ok = op["responses"]["200"]["content"]
+        assert ok["application/json"]["schema"] == {"$ref": f"#/components/schemas/{res}"}
+        assert "text/event-stream" in ok
+        for status in ("400", "404", "413", "415", "429", "500", "503", "504"):
+            assert op["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
+        assert "422" not in op["responses"]
+    assert {"messages", "logprobs", "top_logprobs", "response_format", "tools"} <= set(
+        schemas["ChatCompletionRequest"]["properties"])
+    assert schemas["ChatCompletionRequest"]["additionalProperties"] is False
+    ids = [a for a in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] if a["type"] == "array"
+           and a["items"]["type"] == "integer"]
+    assert ids[0]["items"] == {"type": "integer", "minimum": 0, "maximum": FakeEngine.vocab_size - 1}
+    models = doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert models == {"$ref": "#/components/schemas/ModelList"}
+
+    def refs(x):
+        if isinstance(x, dict):
+            yield from ([x["$ref"]] if "$ref" in x else [])
+            for v in x.values():
+                yield from refs(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from refs(v)
+
+    assert {ref.rsplit("/", 1)[1] for ref in refs(doc)} <= set(schemas)  # every reference resolves
+    assert http.get("/docs").status_code == 200
+    R.ModelList.model_validate(http.get("/v1/models").json())
+    R.ErrorResponse.model_validate(http.post("/v1/completions", json={"model": MODEL}).json())
+
+
+def test_choice_text_is_incremental():
+    calls = []
+
+    def decode(ids):
+        calls.append(len(ids))
+        return " ".join(f"t{i}" for i in ids if i != EOS)  # EOS decodes to nothing, like a skipped special
+
+    ids = [(i * 7 + 3) % 101 for i in range(3000)]
+    t = ChoiceText(decode, stop=["x" * 256])
+    out = "".join(t.add(ids[i : i + 3]) for i in range(0, len(ids), 3)) + t.add([], final=True)
+    assert out == t.text == decode(ids) and len(t.ends) == len(ids)
+    assert sum(calls[-2 * 3000 :]) < 6 * 3000  # a few ids per decode: O(new tokens), not O(all) per report
+
+
+def test_choice_text_stops_and_partial_characters_random():
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731 (one token = one byte)
+    rng = random.Random(0)
+    for _ in range(2000):
+        s = "".join(rng.choice("ab☃é xyz€𝄞") for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice("ab☃ xyz") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 3))]
+        data, t, out, i = s.encode(), ChoiceText(decode, stops), "", 0
+        while i < len(data):
+            k = rng.randint(1, 4)
+            delta = t.add(data[i : i + k])
+            assert "\ufffd" not in delta  # no half characters are sent
+            out, i = out + delta, i + k
+        out += t.add([], final=True)
+        assert out == t.text and s.startswith(out), (s, stops, out)
+        if any(x in s for x in stops):  # cut right before a stop string, none of which was sent
+            assert t.stopped and any(s[len(out):].startswith(x) for x in stops) and not any(x in out for x in stops)
+        else:
+            assert out == s and not t.stopped

@@ -1,0 +1,379 @@
+"""Hostile input through the real FastAPI app (issue #11): no request may stop the server or touch another
+user's output.
+
+Against the hand-computable FakeEngine of test_server.py. After every hostile request a reference greedy
+completion and chat (plain and streamed) must equal what they gave before, /health must answer 200 and every
+KV page must be free again. Classes covered: token ids and integers out of range, nesting depth, body size and
+content type, non-finite numbers and invalid Unicode, unknown and unsupported parameters, bounds on stop
+strings and stop token ids, engine failures with their status, the engine's QueueFull and the server's own
+admission bound (429), the request time limit (504), a dead engine (503, no request left hanging), the API key,
+and the event loop staying responsive while a slow chat template runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+from test_server import MODEL, TEMPLATE, FakeEngine, expected_ids, make_tokenizer, text
+
+from serve.protocol import MAX_JSON_DEPTH
+from serve.server import ServerThread, build_app
+from serve.text import ChatFormatter, TokenizerAdapter
+
+JSON = {"content-type": "application/json"}
+REF_COMPLETION = {"model": MODEL, "prompt": "t1 t2", "max_tokens": 12, "temperature": 0}
+REF_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "t3"}], "max_tokens": 9, "temperature": 0}
+CHAT = [{"role": "user", "content": "t1"}]
+
+
+def _app(engine, **kw):
+    tok = make_tokenizer()
+    return build_app(engine, tok, chat_template=ChatFormatter(TEMPLATE, TokenizerAdapter(tok).encode), **kw)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = FakeEngine()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(_app(engine, max_body_bytes=64 << 10)) as s:
+        yield s
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=10) as c:
+        yield c
+
+
+def _stream_text(http, path: str, body: dict) -> tuple[str, list[dict]]:
+    """All text of a stream, and its decoded events."""
+    events = []
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    out = ""
+    for e in events:
+        for c in e.get("choices", []):
+            out += c["text"] if "text" in c else c["delta"].get("content") or ""
+    return out, events
+
+
+def _reference(http) -> tuple:
+    r1 = http.post("/v1/completions", json=REF_COMPLETION).json()["choices"][0]["text"]
+    r2 = http.post("/v1/chat/completions", json=REF_CHAT).json()["choices"][0]["message"]["content"]
+    return r1, r2, _stream_text(http, "/v1/completions", REF_COMPLETION)[0]
+
+
+@pytest.fixture(scope="module")
+def baseline(server):
+    with httpx.Client(base_url=server.base_url, timeout=10) as c:
+        ref = _reference(c)
+    assert ref[0] == ref[2] == text(expected_ids(2, 12))
+    return ref
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request, engine, baseline):
+    """After each test: the reference outputs are unchanged, /health is 200, every page is free."""
+    yield
+    assert engine.wait_idle(), f"{engine.free_pages=} != {engine.total_pages=}"
+    with httpx.Client(base_url=request.getfixturevalue("server").base_url, timeout=10) as c:
+        assert c.get("/health").status_code == 200
+        assert _reference(c) == baseline
+    assert engine.wait_idle()
+
+
+def _error(r: httpx.Response, status: int, param: str | None = "-", code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+    assert err["message"] and err["type"] == kind, err
+    if param != "-":
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+# ---- integers and token ids out of range ----------------------------------------------------------------------
+OUT_OF_RANGE = [
+    ({"prompt": [2**31]}, "prompt"), ({"prompt": [2**63]}, "prompt"), ({"prompt": [10**30]}, "prompt"),
+    ({"prompt": [1, 103]}, "prompt"), ({"prompt": [-1]}, "prompt"), ({"prompt": [True]}, "prompt"),
+    ({"stop_token_ids": [103]}, "stop_token_ids"), ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids.0"), ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"top_k": 2**64}, "top_k"), ({"top_k": -2}, "top_k"), ({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
+    ({"max_tokens": 2**40}, "max_tokens"), ({"max_tokens": 2**31}, "max_tokens"), ({"n": 2**31}, "n"),
+    ({"temperature": 2.5}, "temperature"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("fields,param", OUT_OF_RANGE)
+def test_out_of_range_is_400(http, fields, param):
+    body = {"model": MODEL, "prompt": "t1", "max_tokens": 3, **fields}
+    _error(http.post("/v1/completions", json=body), 400, param)
+
+
+def test_integer_edges_are_accepted_and_clamped(http, engine):
+    body = {"model": MODEL, "prompt": "t1", "max_tokens": 2, "temperature": 0.5}
+    for top_k, sent in ((2**63 - 1, 0), (10**6, 0), (103, 0), (102, 102), (-1, 0), (0, 0), (7, 7)):
+        assert http.post("/v1/completions", json={**body, "top_k": top_k}).status_code == 200
+        assert engine.added[-1].params.top_k == sent, top_k
+    r = http.post("/v1/completions", json={**body, "seed": 2**63 - 1, "n": 3})
+    assert r.status_code == 200
+    assert [q.params.seed for q in engine.added[-3:]] == [2**63 - 1, -(2**63), -(2**63) + 1]  # wrapped in int64
+    assert http.post("/v1/completions", json={**body, "seed": -(2**63)}).status_code == 200
+    for t in (1e-6, 0.0, 9.99e-6):  # below 1e-5 is greedy
+        assert http.post("/v1/completions", json={**body, "temperature": t}).status_code == 200
+        assert engine.added[-1].params.temperature == 0.0
+    assert http.post("/v1/completions", json={**body, "temperature": 1e-5}).status_code == 200
+    assert engine.added[-1].params.temperature == 1e-5
+    r = http.post("/v1/completions", json={**body, "prompt": [0, 102], "stop_token_ids": [0, 102]})
+    assert r.status_code == 200 and engine.added[-1].params.stop_token_ids == (0, 102)
+
+
+# ---- the body: content type, size, nesting, JSON that Python accepts but JSON does not ----------------------------
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                   "application/jsonx", "text/json"])
+def test_non_json_content_type_is_415(http, ctype):
+    body = json.dumps(REF_COMPLETION).encode()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = http.post(path, content=body, headers={"content-type": ctype} if ctype else {})
+        _error(r, 415, code="unsupported_media_type")
+
+
+def test_json_with_charset_is_accepted(http):
+    r = http.post("/v1/completions", content=json.dumps(REF_COMPLETION).encode(),
+                  headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_body_size_cap_is_413(http, server):
+    big = {"model": MODEL, "prompt": "t1 " * 30000, "max_tokens": 1}  # ~90 kB > 64 kB
+    _error(http.post("/v1/completions", json=big), 413, code="body_too_large")
+
+    def chunks():  # no Content-Length: the cap must hold while reading
+        for _ in range(100):
+            yield b" " * 1024
+        yield json.dumps(REF_COMPLETION).encode()
+
+    _error(http.post("/v1/completions", content=chunks(), headers=JSON), 413, code="body_too_large")
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 30_000 + b"]" * 30_000,  # json.loads alone would raise RecursionError (a 500 before)
+    b'{"a":' * 10_000 + b"1" + b"}" * 10_000,
+    b"[" * 60_000,  # unterminated as well
+    json.dumps({**REF_COMPLETION, "metadata": {"a": "b"}, "x": json.loads("[" * 33 + "1" + "]" * 33)}).encode(),
+    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "t1"}]}],
+                "stop": ["[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["]}).encode()[:-1] + b"[" * 40,
+], ids=["arrays", "objects", "unterminated", "33-levels", "after-a-string"])
+def test_deep_nesting_is_400(http, body):
+    r = http.post("/v1/chat/completions", content=body, headers=JSON)
+    _error(r, 400, code="invalid_json")
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(http):
+    body = {**REF_CHAT, "messages": [{"role": "user", "content": "t1 " + "[{" * 500 + '\\"' + "]" * 80}]}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert MAX_JSON_DEPTH < 500
+
+
+@pytest.mark.parametrize("raw,what", [
+    (b'{"model": "fake-model", "prompt": "t1", "temperature": NaN}', "NaN"),
+    (b'{"model": "fake-model", "prompt": "t1", "top_p": Infinity}', "Infinity"),
+    (b'{"model": "fake-model", "prompt": "t1", "temperature": -Infinity}', "Infinity"),
+    (b'{"model": "fake-model", "prompt": "t1", "top_p": 1e999}', "finite"),
+    (b'{"model": "fake-model", "prompt": "t1", "max_tokens": 1' + b"0" * 5000 + b"}", "digits"),
+    (b'{"model": "fake-model", "prompt": "t1 \\ud800"}', "surrogate"),
+    (b'{"model": "fake-model", "prompt": "t1 \xff\xfe"}', "utf-8"),
+    (b'{"model": "fake-model", "prompt": "t1", "prompt": "t2", ', "JSON"),
+    (b"", "JSON"), (b"null", "object"), (b'"t1"', "object"),
+])
+def test_invalid_json_values_are_400(http, raw, what):
+    err = _error(http.post("/v1/completions", content=raw, headers=JSON), 400)
+    assert what.lower() in err["message"].lower(), err
+
+
+# ---- unknown and unsupported parameters -----------------------------------------------------------------------
+UNSUPPORTED = [  # (endpoint, field, a value that changes the output, the neutral value)
+    ("completions", "presence_penalty", 0.5, 0), ("completions", "frequency_penalty", -1.0, 0.0),
+    ("completions", "repetition_penalty", 1.2, 1), ("completions", "min_p", 0.1, 0),
+    ("completions", "logit_bias", {"5": 100}, {}), ("completions", "best_of", 2, 1),
+    ("completions", "echo", True, False),
+    ("completions", "suffix", "t9", ""),
+    ("chat", "response_format", {"type": "json_object"}, {"type": "text"}),
+    ("chat", "response_format", {"type": "text", "json_schema": {}}, {"type": "text"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}], None),
+    ("chat", "tools", [], None), ("chat", "functions", [{"name": "f"}], None),
+    ("chat", "tool_choice", "auto", "none"), ("chat", "function_call", {"name": "f"}, "none"),
+    ("chat", "parallel_tool_calls", False, None), ("chat", "presence_penalty", 2, 0),
+]
+
+
+@pytest.mark.parametrize("endpoint,field,bad,neutral", UNSUPPORTED)
+def test_unsupported_parameters_are_400_unless_neutral(http, endpoint, field, bad, neutral):
+    path, base = (("/v1/completions", {**REF_COMPLETION, "max_tokens": 2}) if endpoint == "completions"
+                  else ("/v1/chat/completions", {**REF_CHAT, "max_tokens": 2}))
+    _error(http.post(path, json={**base, field: bad}), 400, field, "unsupported_parameter")
+    r = http.post(path, json={**base, field: neutral})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {**REF_COMPLETION, "frobnicate": 1}, "frobnicate"),
+    ("/v1/completions", {**REF_COMPLETION, "top_logprobs": 3}, "top_logprobs"),  # a chat field
+    ("/v1/chat/completions", {**REF_CHAT, "prompt": "t1"}, "prompt"),
+    ("/v1/chat/completions", {**REF_CHAT, "modalities": ["audio"]}, "modalities"),
+    ("/v1/chat/completions", {**REF_CHAT, "messages": [{"role": "user", "content": "t1", "audio": {}}]},
+     "messages.0.audio"),
+    ("/v1/chat/completions", {**REF_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                                     "image_url": "x"}]}]}, None),
+    ("/v1/chat/completions", {**REF_CHAT, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ("/v1/chat/completions", {**REF_CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("/v1/chat/completions", {**REF_CHAT, "logprobs": 1}, "logprobs"),  # chat's logprobs is a bool
+])
+def test_unknown_or_inconsistent_parameters_are_400(http, path, body, param):
+    err = _error(http.post(path, json=body), 400)
+    assert param is None or err["param"] == param, err
+
+
+def test_harmless_parameters_are_accepted(http):
+    body = {**REF_CHAT, "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "messages": [{"role": "user", "content": "t3", "name": "bob"}]}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == text(expected_ids(101, 9))
+
+
+@pytest.mark.parametrize("stop,ok", [("x" * 256, True), ("x" * 257, False), (["a", "b", "c", "d"], True),
+                                     (["a"] * 5, False), ([""], False), ("", False), (["a", 3], False)])
+def test_stop_strings_are_bounded(http, stop, ok):
+    r = http.post("/v1/completions", json={**REF_COMPLETION, "max_tokens": 2, "stop": stop})
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        assert _error(r, 400)["param"].startswith("stop")
+
+
+# ---- engine failures and back-pressure ------------------------------------------------------------------------
+def test_engine_error_status_is_passed_on(http):
+    err = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": [97, 1], "max_tokens": 3}), 400)
+    assert "fake failure" in err["message"] and err["code"] == "engine_abort"
+    _error(http.post("/v1/completions", json={"model": MODEL, "prompt": [98, 1], "max_tokens": 3}), 500)
+    _, events = _stream_text(http, "/v1/completions", {"model": MODEL, "prompt": [97, 1], "max_tokens": 3, "n": 2})
+    assert events[-1]["error"]["type"] == "invalid_request_error" and "fake failure" in events[-1]["error"]["message"]
+
+
+def test_engine_queue_full_is_429(http, engine):
+    engine.paused, engine.queue_limit = True, 1
+    try:
+        r = http.post("/v1/completions", json={**REF_COMPLETION, "n": 2})  # the second choice does not fit
+        err = _error(r, 429, code="queue_full")
+        assert r.headers["retry-after"] == "1" and err["type"] == "rate_limit_error"
+        assert engine.metrics()["requests_waiting"] == 0  # the first choice was taken back
+    finally:
+        engine.paused, engine.queue_limit = False, None
+
+
+def test_server_admission_bound_is_429(engine):
+    with ServerThread(_app(engine, max_waiting=3)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+        engine.paused = True
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                held = [pool.submit(c.post, "/v1/completions", json={**REF_COMPLETION, "n": n}) for n in (2, 1)]
+                deadline = time.monotonic() + 5
+                while engine.metrics()["requests_waiting"] < 3 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                r = c.post("/v1/chat/completions", json=REF_CHAT)
+                err = _error(r, 429, code="server_busy")
+                assert r.headers["retry-after"] and "3 requests waiting" in err["message"]
+                gauge = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("dspark_server_waiting")]
+                assert gauge == ["dspark_server_waiting 3.0"]
+                engine.paused = False
+                assert [f.result().status_code for f in held] == [200, 200]
+        finally:
+            engine.paused = False
+        assert c.post("/v1/chat/completions", json=REF_CHAT).status_code == 200  # the count went back to 0
+
+
+def test_request_timeout_is_504_and_frees_pages(engine):
+    engine.step_s, engine.per_report = 0.02, 1
+    try:
+        with ServerThread(_app(engine, request_timeout_s=0.4)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+            t0 = time.monotonic()
+            err = _error(c.post("/v1/completions", json={**REF_COMPLETION, "max_tokens": 200}), 504, code="timeout")
+            assert time.monotonic() - t0 < 2 and "0.4 s" in err["message"]
+            assert engine.added[-1].request_id in engine.aborted
+            out, events = _stream_text(c, "/v1/chat/completions", {**REF_CHAT, "max_tokens": 200})
+            assert events[-1]["error"]["code"] == "timeout" and 0 < len(out.split())
+    finally:
+        engine.step_s, engine.per_report = 0.002, 3
+
+
+def test_dead_engine_leaves_no_request_hanging():
+    eng = FakeEngine(step_s=0.01, per_report=1)
+    with ServerThread(_app(eng)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(c.post, "/v1/completions", json={**REF_COMPLETION, "max_tokens": 200})
+            streamed = pool.submit(_stream_text, c, "/v1/completions", {**REF_COMPLETION, "max_tokens": 200})
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            eng.close()  # the loop stops without a last report, as a crashed engine thread would
+            _error(plain.result(timeout=5), 503, code="engine_down")
+            assert streamed.result(timeout=5)[1][-1]["error"]["code"] == "engine_down"
+            assert time.monotonic() - t0 < 2
+        assert c.get("/health").status_code == 503
+        _error(c.post("/v1/completions", json=REF_COMPLETION), 503, code="engine_down")
+
+
+# ---- the API key ------------------------------------------------------------------------------------------------
+def test_api_key(engine):
+    with ServerThread(_app(engine, api_key="s3cret")) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
+                        {"authorization": "Basic czNjcmV0"}, {"authorization": "Bearer s3cret2"}):
+            for method, path, body in (("POST", "/v1/completions", REF_COMPLETION), ("GET", "/v1/models", None),
+                                       ("POST", "/v1/chat/completions", {"not": "even valid"})):
+                r = c.request(method, path, json=body, headers=headers)
+                _error(r, 401, code="invalid_api_key")
+                assert r.headers["www-authenticate"] == "Bearer"
+        ok = {"authorization": "Bearer s3cret"}
+        assert c.post("/v1/completions", json=REF_COMPLETION, headers=ok).json()["choices"][0]["text"] == \
+            text(expected_ids(2, 12))
+        assert c.get("/v1/models", headers=ok).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        assert "HTTPBearer" in json.dumps(c.get("/openapi.json").json()["components"]["securitySchemes"])
+        assert 'endpoint="completions",status="401"' in c.get("/metrics").text
+
+
+# ---- the event loop ---------------------------------------------------------------------------------------------
+def test_slow_chat_template_does_not_block_the_event_loop(engine):
+    tok = make_tokenizer()
+    fmt = ChatFormatter(TEMPLATE, TokenizerAdapter(tok).encode)
+
+    def slow_template(messages):
+        if messages[-1]["content"] == "t1 slow":
+            time.sleep(1.5)
+        return fmt(messages)
+
+    app = build_app(engine, tok, chat_template=slow_template)
+    with ServerThread(app) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(c.post, "/v1/chat/completions",
+                               json={**REF_CHAT, "messages": [{"role": "user", "content": "t1 slow"}]})
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            r = c.post("/v1/completions", json=REF_COMPLETION)
+            assert r.status_code == 200 and time.monotonic() - t0 < 1.2 and not slow.done()
+            assert slow.result().status_code == 200
