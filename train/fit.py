@@ -5,6 +5,8 @@ An orbax CheckpointManager saves all three every `ckpt_every` steps (async, keep
 the latest and continues with the same batches in the same order, so the loss curve is the uninterrupted one.
 Metrics go to stdout (tqdm) and `metrics.jsonl` (one line per logged step; a resumed run rewrites the lines
 after its restored step). At the end the drafter is saved to `out_dir/drafter` (and, with --export, as bf16).
+Multi-process runs (train/launch.py): every process runs this same function on its rows of each global batch;
+checkpoints and the final drafter are written jointly by all processes, metrics and logs by process 0 only.
 """
 
 from __future__ import annotations
@@ -64,13 +66,15 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
 
-    if cfg.mesh.distributed:
-        jax.distributed.initialize()
+    if cfg.mesh.distributed and not jax.distributed.is_initialized():
+        jax.distributed.initialize()  # Cloud TPU / SLURM: coordinator and process ids detected
+    lead = jax.process_index() == 0  # writes the logs; every process writes its part of each checkpoint
     target, drafter = build(cfg, target)
     out_dir = os.path.abspath(cfg.run.out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "train_config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
+    if lead:
+        with open(os.path.join(out_dir, "train_config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
 
     mesh = make_train_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     o = cfg.optim
@@ -101,11 +105,13 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
             data=grain.checkpoint.CheckpointRestore(it)))
         params, opt_state = restored["params"], restored["opt"]
         print(f"resumed from step {start} in {out_dir}", flush=True)
-    log_path = os.path.join(out_dir, "metrics.jsonl")
-    _rewrite_log(log_path, start)
+    log_path = os.path.join(out_dir, "metrics.jsonl") if lead else os.devnull
+    if lead:
+        _rewrite_log(log_path, start)
 
     end = o.steps if stop_after is None else min(o.steps, stop_after)
-    bar = tqdm(range(start, end), initial=start, total=o.steps, desc=f"fit {cfg.drafter.kind}", disable=not progress)
+    bar = tqdm(range(start, end), initial=start, total=o.steps, desc=f"fit {cfg.drafter.kind}",
+               disable=not (progress and lead))
     t0 = time.perf_counter()
     with open(log_path, "a") as log:
         for step in bar:
@@ -122,18 +128,31 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
                 data=grain.checkpoint.CheckpointSave(it)), force=done == o.steps)
     mngr.wait_until_finished()
     mngr.close()
-    trained = drafter.with_params(_to_state(drafter, params))
-    if end == o.steps and jax.process_index() == 0:
-        trained.save(os.path.join(out_dir, "drafter"))
+    host = _gather(params)
+    trained = drafter.with_params(_to_state(drafter, jax.tree.map(jnp.asarray, host)))
+    if end == o.steps:
+        # Several processes all join the save (Orbax synchronises them); numpy leaves are written once, by
+        # process 0, and load on any number of devices (global arrays would carry this run's device topology).
+        saved = trained if jax.process_count() == 1 else drafter.with_params(_to_state(drafter, host))
+        saved.save(os.path.join(out_dir, "drafter"))
         if export:
-            trained.save(export, dtype="bfloat16")
+            saved.save(export, dtype="bfloat16")
     return trained
 
 
+def _gather(pure):
+    """Global (possibly multi-process) arrays → full numpy copies on every process."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(pure, tiled=True)
+    return jax.device_get(pure)
+
+
 def _to_state(drafter, pure):
-    """Pure-dict parameters back into the drafter's nnx.State (on the default device)."""
+    """Pure-dict parameters back into the drafter's nnx.State."""
     state = jax.tree.map(lambda x: x, drafter.params)
-    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(jax.device_get(x)), pure))
+    nnx.replace_by_pure_dict(state, pure)
     return state
 
 
