@@ -90,6 +90,7 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
     """
     R, Q, N, H = q.shape
     P, K, ps, _ = k_pages.shape
+    block_tables, context_lens = jnp.asarray(block_tables), jnp.asarray(context_lens)
     M = block_tables.shape[1]
     G = N // K
     cp = _chunk_positions(ps, chunk_tokens)
@@ -162,6 +163,7 @@ def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, qu
     """
     T, N, H = q.shape
     Q = max_q_len
+    context_lens, query_start = jnp.asarray(context_lens), jnp.asarray(query_start)
     i = jnp.arange(Q, dtype=jnp.int32)
     q_len = query_start[1:] - query_start[:-1]  # [R]
     rows = query_start[:-1, None] + i  # [R, Q]

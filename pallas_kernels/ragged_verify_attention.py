@@ -77,13 +77,18 @@ class _Config(NamedTuple):
 
 
 # ---- kernel ------------------------------------------------------------------------------------------------
-def _online_softmax_step(q, k, v, first_key, pos0, carry, *, group: int, sm_scale: float, precision):
+def _online_softmax_step(q, k, v, first_key, pos0, n_keys, carry, *, group: int, sm_scale: float, precision):
     """Folds one KV block into the running (m [M, 1], l [M, 1], acc [M, H] f32) of one q tile.
 
-    q [M, H]; k, v [block_kv, H]; first_key: cache position of k's row 0; pos0: position of the tile's query 0.
+    q [M, H]; k, v [block_kv, H]; first_key: cache position of k's row 0; pos0: position of the tile's query 0;
+    n_keys: positions 0..n_keys−1 are the request's. Value rows at positions ≥ n_keys are zeroed before P @ V:
+    a masked score gives p = 0, but 0 · NaN is NaN, so whatever a page held before (another request's values,
+    even NaN) must not reach the product.
     """
     m_prev, l_prev, acc_prev = carry
     M, bkv = q.shape[0], k.shape[0]
+    own = first_key + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0) < n_keys
+    v = jnp.where(own, v, jnp.zeros_like(v))
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                         precision=precision) * sm_scale  # [M, bkv]
     q_pos = pos0 + lax.div(lax.broadcasted_iota(jnp.int32, (M, bkv), 0), group)
@@ -120,7 +125,7 @@ def _loop_kernel(req_ref, pos0_ref, nkeys_ref, bt_ref, q_ref, k_ref, v_ref, o_re
         off = pl.multiple_of(lax.rem(j, blocks_per_page) * block_kv, block_kv)
         k = k_ref[page, h, pl.ds(off, block_kv), :]
         v = v_ref[page, h, pl.ds(off, block_kv), :]
-        return _online_softmax_step(q, k, v, j * block_kv, pos0, carry, group=group, sm_scale=sm_scale,
+        return _online_softmax_step(q, k, v, j * block_kv, pos0, n_keys, carry, group=group, sm_scale=sm_scale,
                                     precision=precision)
 
     _, l, acc = lax.fori_loop(0, pl.cdiv(n_keys, block_kv), body, _init_carry(*q.shape))
@@ -140,7 +145,7 @@ def _grid_kernel(req_ref, pos0_ref, nkeys_ref, bt_ref, q_ref, k_ref, v_ref, o_re
     def _():
         carry = (m_scr[...], l_scr[...], acc_scr[...])
         m_scr[...], l_scr[...], acc_scr[...] = _online_softmax_step(
-            q_ref[...], k_ref[...], v_ref[...], j * block_kv, pos0_ref[t], carry, group=group,
+            q_ref[...], k_ref[...], v_ref[...], j * block_kv, pos0_ref[t], nkeys_ref[t], carry, group=group,
             sm_scale=sm_scale, precision=precision)
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -366,6 +371,7 @@ def ragged_verify_attention_reference(q, k_pages, v_pages, block_tables, context
         visible = jnp.arange(k.shape[1])[None, :] <= pos[:, None]  # [Q, S]
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
+        v = jnp.where((jnp.arange(k.shape[1]) < ctx)[None, :, None], v, 0)  # never 0 · (another request's NaN)
         o = jnp.einsum("QKGS,KSH->QKGH", p, v.astype(jnp.float32), precision=precision)
         return o.reshape(Q, N, H)
 
