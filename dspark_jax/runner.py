@@ -98,16 +98,17 @@ class StepResult:
 def _logprob_outputs(logits, tokens, want):
     """Raw-model logprobs of `tokens` [..] under logits [.., V] and the top alternatives, only when `want`."""
     shape = tokens.shape
+    k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
 
     def compute():
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         chosen = jnp.take_along_axis(lp, jnp.clip(tokens, 0, lp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-        top_lp, top_ids = jax.lax.top_k(lp, NUM_TOP_LOGPROBS)
+        top_lp, top_ids = jax.lax.top_k(lp, k)
         return chosen, top_ids.astype(jnp.int32), top_lp
 
     def skip():
-        return (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (NUM_TOP_LOGPROBS,), jnp.int32),
-                jnp.zeros(shape + (NUM_TOP_LOGPROBS,), jnp.float32))
+        return (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (k,), jnp.int32),
+                jnp.zeros(shape + (k,), jnp.float32))
 
     return jax.lax.cond(want, compute, skip)
 
