@@ -19,6 +19,7 @@ Names (all prefixed `dspark_`):
 from __future__ import annotations
 
 import logging
+import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -60,6 +61,14 @@ class EngineCollector:
         except Exception:
             log.exception("engine.metrics() failed")
             return
+        try:  # a malformed value must not take /metrics down either: the engine's families are skipped
+            families = list(self._families(m))
+        except (TypeError, ValueError):
+            log.exception("engine.metrics() returned a value that is not a number")
+            return
+        yield from families
+
+    def _families(self, m: dict):
         for key, (name, doc) in _COUNTERS.items():
             if m.get(key) is not None:
                 yield CounterMetricFamily(PREFIX + name, doc, value=float(m[key]))
@@ -73,9 +82,14 @@ class EngineCollector:
         yield acc
         sps = GaugeMetricFamily(PREFIX + "sps", "Profiled target steps per second for a pass over N tokens.",
                                 labels=["bucket"])
-        for bucket, v in sorted((m.get("sps_table") or {}).items(), key=lambda kv: int(kv[0])):
+        # Keys are capacities (ints) or shape names ("BxC@ctx"); sorted by their digits, then as text.
+        for bucket, v in sorted((m.get("sps_table") or {}).items(), key=lambda kv: _natural(str(kv[0]))):
             sps.add_metric([str(bucket)], float(v))
         yield sps
+
+
+def _natural(key: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
 class ServerMetrics:

@@ -38,7 +38,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from serve.types import MAX_LOGPROBS
 
@@ -54,6 +54,13 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 TokenId = Annotated[int, Field(ge=0)]  # and < vocab: the server checks that against the engine
+
+
+def _only(neutral: dict, why: str) -> WithJsonSchema:
+    """The JSON schema of a known-but-unimplemented field: its neutral value (or null) is all that is accepted.
+    (Validation accepts OpenAI's type so that UNSUPPORTED can answer with a message that says why.)"""
+    alternatives = [neutral] if neutral == {"type": "null"} else [neutral, {"type": "null"}]
+    return WithJsonSchema({"anyOf": alternatives, "default": None, "description": why})
 
 
 class APIError(Exception):
@@ -94,11 +101,16 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     # Known but unimplemented: accepted only at the neutral value (UNSUPPORTED).
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float | None, _only({"type": "number", "minimum": 0, "maximum": 0}, _NO_PENALTY)] = \
+        Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Annotated[float | None, _only({"type": "number", "minimum": 0, "maximum": 0}, _NO_PENALTY)] = \
+        Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Annotated[float | None, _only({"type": "number", "minimum": 1, "maximum": 1}, _NO_PENALTY)] = \
+        Field(None, gt=0.0, le=2.0)
+    min_p: Annotated[float | None, _only({"type": "number", "minimum": 0, "maximum": 0}, "not implemented")] = \
+        Field(None, ge=0.0, le=1.0)
+    logit_bias: Annotated[dict[str, float] | None, _only({"type": "object", "maxProperties": 0}, "not implemented")] = \
+        None
     # Harmless: never change the output.
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -136,6 +148,9 @@ class _Request(_Strict):
                 raise APIError(f"unsupported value for '{name}': {why}", param=name, code="unsupported_parameter")
 
 
+_NO_PENALTY = "penalties are not implemented: only the neutral value"
+_NO_TOOLS = "tool calling is not implemented"
+
 # field -> (is the value neutral?, what this server supports). A value that is not neutral would change the
 # output or its format in a way this server does not implement.
 UNSUPPORTED = {
@@ -163,9 +178,10 @@ class CompletionRequest(_Request):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1,
                                                                                           max_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
-    echo: bool | None = None
-    suffix: str | None = Field(None, max_length=MAX_STOP_CHARS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="not implemented: must equal n")
+    echo: Annotated[bool | None, _only({"type": "boolean", "enum": [False]}, "not implemented")] = None
+    suffix: Annotated[str | None, _only({"type": "string", "maxLength": 0}, "not implemented")] = \
+        Field(None, max_length=MAX_STOP_CHARS)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -219,12 +235,15 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    functions: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    response_format: Annotated[ResponseFormat | None, _only(
+        {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}, "required": ["type"],
+         "additionalProperties": False}, "structured output is not implemented")] = None
+    tools: Annotated[list[dict[str, Any]] | None, _only({"type": "null"}, _NO_TOOLS)] = None
+    functions: Annotated[list[dict[str, Any]] | None, _only({"type": "null"}, _NO_TOOLS)] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, _only({"type": "string", "enum": ["none"]}, _NO_TOOLS)] = None
+    function_call: Annotated[str | dict[str, Any] | None, _only({"type": "string", "enum": ["none"]}, _NO_TOOLS)] = \
+        None
+    parallel_tool_calls: Annotated[bool | None, _only({"type": "null"}, _NO_TOOLS)] = None
 
     def max_new_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens; the newer one wins.

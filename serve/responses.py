@@ -60,6 +60,25 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionChunk(BaseModel):
+    """One SSE `data:` event of a streamed completion; with stream_options.include_usage the last one has no
+    choices and the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -92,6 +111,29 @@ class ChatCompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE `data:` event of a streamed chat completion (the first per choice carries the role)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
 
@@ -131,6 +173,18 @@ class TokenStrings:
 
     def __call__(self, token_id: int) -> str:
         return self._one(int(token_id))
+
+
+def sse_doc(chunk: type[BaseModel]) -> dict:
+    """The OpenAPI description of an SSE response whose events carry `chunk`s (schema = one event, OpenAPI 3.1)."""
+    data = {"anyOf": [{"type": "string", "contentMediaType": "application/json",
+                       "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                                   {"$ref": "#/components/schemas/ErrorResponse"}]}},
+                      {"type": "string", "enum": ["[DONE]"]}],
+            "description": f"a JSON {chunk.__name__}, or an ErrorResponse if the request fails midway; the last "
+                           "event is the literal [DONE]"}
+    return {"text/event-stream": {"schema": {"type": "object", "properties": {"data": data, "event": {
+        "type": "string"}, "id": {"type": "string"}}, "required": ["data"]}}}
 
 
 def _lp(x: float) -> float:

@@ -54,8 +54,6 @@ _ERRORS = {s: {"model": R.ErrorResponse, "description": d} for s, d in {
     404: "Unknown model", 408: "Body not received in time", 413: "Body too large", 415: "Body is not JSON",
     429: "Server at capacity (Retry-After)", 500: "Internal error", 503: "Engine not running",
     504: "Request exceeded the server's time limit"}.items()}
-_SSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
-                                  "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
 
 
 class _SSEResponse(StreamingResponse):
@@ -159,7 +157,7 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
             try:
                 ids = list(chat_template(req.message_dicts()))
             except (ValueError, jinja2.TemplateError) as e:  # e.g. the template's raise_exception("...")
-                raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+                raise APIError(f"cannot apply the chat template: {e}", param="messages", code="invalid_value") from None
             param = "messages"
         else:
             p, param = req.prompt, "prompt"
@@ -168,7 +166,7 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
             else:  # a string or a list of one string
                 ids = tok.encode(p if isinstance(p, str) else p[0])
         if not ids:
-            raise APIError("the prompt is empty", param=param)
+            raise APIError("the prompt is empty", param=param, code="invalid_value")
         if max(ids) >= vocab:
             raise APIError(f"prompt token id {max(ids)} is outside the vocabulary [0, {vocab})", param=param,
                            code="invalid_value")
@@ -245,13 +243,13 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
             "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
     @app.post("/v1/completions", dependencies=v1, response_model=R.CompletionResponse, openapi_extra=body_doc(
-        CompletionRequest), responses={200: {"content": _SSE_DOC}, **_ERRORS})
+        CompletionRequest), responses={200: {"content": R.sse_doc(R.CompletionChunk)}, **_ERRORS})
     async def completions(request: fastapi.Request) -> Response:
         """Text completion (OpenAI `POST /v1/completions`); SSE chunks when `stream` is true."""
         return await serve(request, CompletionRequest)
 
     @app.post("/v1/chat/completions", dependencies=v1, response_model=R.ChatCompletionResponse, openapi_extra=body_doc(
-        ChatCompletionRequest), responses={200: {"content": _SSE_DOC}, **_ERRORS})
+        ChatCompletionRequest), responses={200: {"content": R.sse_doc(R.ChatCompletionChunk)}, **_ERRORS})
     async def chat_completions(request: fastapi.Request) -> Response:
         """Chat completion (OpenAI `POST /v1/chat/completions`); SSE chunks when `stream` is true."""
         return await serve(request, ChatCompletionRequest)
@@ -278,7 +276,7 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, R.CompletionChunk, R.ChatCompletionChunk):
                 doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(doc.pop("$defs", {}))
                 components[model.__name__] = doc

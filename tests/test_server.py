@@ -178,7 +178,7 @@ class FakeEngine:
         with self._lock:
             return {**self._counts, "requests_running": len(self._running), "requests_waiting": len(self._waiting),
                     "tokens_per_step": 2.5, "acceptance_per_position": [0.9, 0.7, 0.5],
-                    "verify_tokens_per_pass": 12.0, "sps_table": {16: 50.0, 32: 45.5},
+                    "verify_tokens_per_pass": 12.0, "sps_table": {16: 50.0, 32: 45.5, "2x8@64": 7.0},
                     "free_pages": self.free_pages, "total_pages": self.total_pages}
 
     def health(self) -> bool:
@@ -442,7 +442,7 @@ def test_metrics(http, client):
     assert value["dspark_requests_total"] >= 1 and value["dspark_tokens_per_step"] == 2.5
     acc = {s.labels["position"]: s.value for s in fams["dspark_acceptance_rate"].samples}
     assert acc == {"1": 0.9, "2": 0.7, "3": 0.5}
-    assert {s.labels["bucket"]: s.value for s in fams["dspark_sps"].samples} == {"16": 50.0, "32": 45.5}
+    assert {s.labels["bucket"]: s.value for s in fams["dspark_sps"].samples} == {"16": 50.0, "32": 45.5, "2x8@64": 7.0}
     http_counts = {(s.labels["endpoint"], s.labels["status"]) for s in fams["dspark_http_requests"].samples
                    if s.name.endswith("_total")}
     assert ("completions", "200") in http_counts
@@ -568,7 +568,7 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
                                progress=True)
     assert calls["serve"][:3] == ("127.0.0.1", 8123, "warning") and "/v1/chat/completions" in calls["serve"][3]
     assert "http://127.0.0.1:8123" in capsys.readouterr().out
-    assert json.loads(sps.read_text()) == {"16": 50.0, "32": 45.5}
+    assert json.loads(sps.read_text()) == {"16": 50.0, "32": 45.5, "2x8@64": 7.0}
     assert not calls["engine"]._thread.is_alive()  # main closes the engine on the way out
     assert calls["engine"].exit_on_fatal  # a dead engine loop ends the process
 
