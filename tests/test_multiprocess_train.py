@@ -35,8 +35,6 @@ mesh: {{data: 2, fsdp: 2, tensor: 2}}
 run: {{out_dir: {out}, log_every: 1, ckpt_every: {ckpt}, keep: 5, async_checkpoint: false}}
 """
 
-pytestmark = pytest.mark.slow
-
 
 def _tiny_target_dir(directory: str) -> str:
     """A random tiny Llama plus a word-level tokenizer ("t0".."t127") with a trivial chat template."""
@@ -50,6 +48,30 @@ def _tiny_target_dir(directory: str) -> str:
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(directory)
     return directory
+
+
+def test_launcher_rejects_what_it_cannot_run(tmp_path, capsys):
+    from train.__main__ import main
+
+    assert main(["launch", "--num-processes", "2", "--", "eval", "--drafters", "x"]) == 2
+    assert "launch runs `fit`" in capsys.readouterr().err
+    assert main(["launch", "--num-processes", "2", "--", "fit", "--process-id", "1"]) == 2
+    assert "the launcher sets" in capsys.readouterr().err
+    assert main(["launch", "--num-processes", "2", "--process-ids", "2", "--", "fit"]) == 2
+    assert "must be distinct and in 0..1" in capsys.readouterr().err
+    assert main(["launch", "--num-processes", "4", "--process-ids", "1", "--", "fit"]) == 2
+    assert "--coordinator is required" in capsys.readouterr().err
+    assert main(["fit", "--coordinator", "127.0.0.1:1234"]) == 2
+    assert "go together" in capsys.readouterr().err
+
+
+def test_a_failing_process_fails_the_launch(tmp_path, capfd):
+    """Both processes stop with the config error; the launcher returns its exit code and says which failed."""
+    from train.launch import launch
+
+    assert launch(["fit", "--config", str(tmp_path / "missing.yaml")], num_processes=2, cpu_devices=1) == 2
+    out, err = capfd.readouterr()
+    assert "config file not found" in out and "exited with 2" in err
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +141,7 @@ def oracle(run):
     return dict(target=target, losses=np.array(losses), params=jax.device_get(params))
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_on_the_same_global_batches(run, oracle):
     stopped = run["stopped_log"]
     assert [r["step"] for r in stopped] == list(range(1, STOP + 1))
@@ -128,6 +151,7 @@ def test_two_processes_match_one_on_the_same_global_batches(run, oracle):
     assert "[p0]" in run["stopped_stdout"] and "[p1]" in run["stopped_stdout"]
 
 
+@pytest.mark.slow
 def test_stopped_run_resumes_in_both_processes_to_the_same_curve(run, oracle):
     out = run["resumed_stdout"]
     for p in (0, 1):
@@ -143,6 +167,7 @@ def test_stopped_run_resumes_in_both_processes_to_the_same_curve(run, oracle):
                                                                               "process_1-of-2.json"]
 
 
+@pytest.mark.slow
 def test_exported_drafter_loads_on_one_device_with_the_oracle_parameters(run, oracle):
     import jax
     from flax import nnx
