@@ -77,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds to wait for every KV page to be free after the load (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: %(default)s)")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, sent as a Bearer token")
     args = p.parse_args(argv)
     if args.clients < 1 or args.requests < 1:
         p.error("--clients and --requests must be >= 1")
@@ -205,7 +206,8 @@ def percentile(xs: list[float], q: float) -> float:
 
 async def run(args) -> int:
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits, headers=headers) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         print(f"model {model} at {args.url}; references for {len(PROMPTS)} prompts ...", flush=True)
         refs = await asyncio.gather(*(reference(client, model, i) for i in range(len(PROMPTS))))

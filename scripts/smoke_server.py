@@ -2,7 +2,7 @@
 is healthy, chat once through the official openai client (plain and streaming), print the replies and the
 scheduler metrics, then stop the server. Exits non-zero if any step fails.
 
-    python scripts/smoke_server.py [--port 8000] [--timeout 900] [extra server flags ...]
+    python scripts/smoke_server.py [--port 8000] [--timeout 900] [--api-key KEY] [extra server flags ...]
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for start-up (compiles, profiles)")
+    p.add_argument("--api-key", default=None, help="start the server with this --api-key and use it")
     args, extra = p.parse_known_args(argv)
     base = f"http://127.0.0.1:{args.port}"
-    proc = subprocess.Popen([sys.executable, "-m", "dspark_jax.serve", "--port", str(args.port), *extra])
+    key = ["--api-key", args.api_key] if args.api_key else []
+    proc = subprocess.Popen([sys.executable, "-m", "dspark_jax.serve", "--port", str(args.port), *key, *extra])
     try:
         t0 = time.time()
         while True:
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
             time.sleep(2)
         import openai
 
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=base + "/v1", api_key=args.api_key or "none", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
         msg = [{"role": "user", "content": "What is the capital of France?"}]
         r = client.chat.completions.create(model=model, messages=msg, max_tokens=24, temperature=0)

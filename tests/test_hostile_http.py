@@ -414,3 +414,38 @@ def test_fuzz_tiny_real_engine(tmp_path):
     print(report.summary())
     assert report.ok, report.summary()
     assert report.sent == 100 and report.by_status[200] >= 10  # some requests reached the engine
+
+
+def test_body_that_never_arrives_is_408(server, monkeypatch):
+    import socket
+
+    import serve.server
+
+    monkeypatch.setattr(serve.server, "BODY_TIMEOUT_S", 0.5)
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:  # a slow client: 1 of 100 bytes
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        head = sock.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 408"), head
+
+
+def test_watchdog_exits_the_process_when_the_engine_dies():
+    """serve/cli.py's watchdog: a dead engine loop ends the server process with status 70 (run in a child)."""
+    import subprocess
+
+    code = ("import threading, time\n"
+            "from serve.cli import _exit_when_engine_dies\n"
+            "class E:\n"
+            "    t0 = time.monotonic()\n"
+            "    def health(self): return time.monotonic() - self.t0 < 0.3\n"
+            "_exit_when_engine_dies(E(), threading.Event(), poll_s=0.05)\n"
+            "raise SystemExit(0)\n")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 70
+    stopping = ("import threading\n"
+                "from serve.cli import _exit_when_engine_dies\n"
+                "class E:\n"
+                "    def health(self): return False\n"
+                "ev = threading.Event(); ev.set()\n"
+                "_exit_when_engine_dies(E(), ev, poll_s=0.05)\n")  # shutting down: a stopped engine is expected
+    assert subprocess.run([sys.executable, "-c", stopping], timeout=60).returncode == 0
