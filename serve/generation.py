@@ -163,8 +163,18 @@ class Generation:
             c.engine_done |= final
             if c.finish_reason is not None:  # e.g. the engine's "abort" report after a stop string
                 continue
-            if out.logprobs is not None:
-                c.logprobs.extend(out.logprobs)
+            if self.params[index].logprobs is not None and len(out.logprobs or ()) != len(out.token_ids):
+                # Never answer a logprobs request without them (an engine that does not implement them).
+                c.finish_reason, c.error = "abort", APIError(
+                    f"the engine returned {len(out.logprobs or ())} logprobs for {len(out.token_ids)} tokens",
+                    status=500, code="engine_logprobs")
+                if not c.engine_done:
+                    c.engine_done = True
+                    self.engine.abort(c.request_id)
+                pending -= 1
+                yield Event(index, "", c.finish_reason, [])
+                continue
+            c.logprobs.extend(out.logprobs or ())
             delta = c.text.add(out.token_ids, final=final)
             if c.text.stopped:
                 c.finish_reason = "stop"

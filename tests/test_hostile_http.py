@@ -276,6 +276,18 @@ def test_engine_error_status_is_passed_on(http):
     assert events[-1]["error"]["type"] == "invalid_request_error" and "fake failure" in events[-1]["error"]["message"]
 
 
+def test_missing_logprobs_are_an_error_not_an_empty_answer(http, engine):
+    engine.no_logprobs = True
+    try:
+        body = {**REF_COMPLETION, "max_tokens": 30, "logprobs": 1}
+        _error(http.post("/v1/completions", json=body), 500, code="engine_logprobs")
+        _, events = _stream_text(http, "/v1/completions", body)
+        assert events[-1]["error"]["code"] == "engine_logprobs"
+        assert http.post("/v1/completions", json=REF_COMPLETION).status_code == 200  # without logprobs: fine
+    finally:
+        engine.no_logprobs = False
+
+
 def test_engine_queue_full_is_429(http, engine):
     engine.paused, engine.queue_limit = True, 1
     try:

@@ -84,6 +84,7 @@ class FakeEngine:
         self.broken = False
         self.queue_limit: int | None = None
         self.paused = False  # admit nothing: requests stay waiting
+        self.no_logprobs = False  # an engine that does not implement logprobs
         self.aborted: list[str] = []
         self.added: list[EngineRequest] = []
         self._lock = threading.Lock()
@@ -160,7 +161,7 @@ class FakeEngine:
                             break
                     s["generated"] += new
                     self._counts["generation_tokens_total"] += len(new)
-                    lps = None if p.logprobs is None else tuple(
+                    lps = None if p.logprobs is None or self.no_logprobs else tuple(
                         TokenLogprob(token_id=t, logprob=fake_logprob(t), top=fake_top(t, p.logprobs)) for t in new)
                     out = RequestOutput(request_id=rid, token_ids=tuple(new), finish_reason=finish, logprobs=lps)
                 if finish is not None:
