@@ -47,6 +47,7 @@ from serve.types import EngineLike, SamplingParams
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_BODY_BYTES = 4 << 20
 BODY_TIMEOUT_S = 30.0
+PARSE_INLINE_BYTES = 64 << 10  # larger bodies are parsed in a worker thread
 log = logging.getLogger(__name__)
 
 _ERRORS = {s: {"model": R.ErrorResponse, "description": d} for s, d in {
@@ -204,7 +205,10 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
     async def serve(request: fastapi.Request, model_cls) -> Response:
         gen = None
         try:
-            req = parse_request(await read_body(request, max_body_bytes), model_cls)
+            body = await read_body(request, max_body_bytes)
+            # A multi-megabyte body takes a fraction of a second to check and parse: not on the event loop.
+            req = (await asyncio.to_thread(parse_request, body, model_cls) if len(body) > PARSE_INLINE_BYTES
+                   else parse_request(body, model_cls))
             if req.model != engine.model_name:
                 raise APIError(f"The model '{req.model}' does not exist; this server serves '{engine.model_name}'.",
                                status=404, param="model", code="model_not_found")
