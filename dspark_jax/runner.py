@@ -315,6 +315,9 @@ class ModelRunner:
         (host ℓ per row) and `budget` (K for the top-K fill)."""
         dev = self.device_batch(b) if dev is None else dev
         Bb = b.lengths.shape[0]
+        if isinstance(drafts, str) and drafts == "skip":  # a plain step: no draft pass, ℓ = 0 for every row
+            drafts = self._no_drafts(Bb)  # (the drafter's context is still written for the new token)
+            lengths, budget, want_confidence = np.zeros(Bb, np.int32), None, False
         if self.drafter is not None and drafts is None:
             drafts = self.draft(b, dev)
         if drafts is None:  # target only
@@ -337,6 +340,20 @@ class ModelRunner:
         logprobs = tuple(x[:R] for x in got[-1]) if want_lp else None
         return StepResult(emitted, num_emitted, m, ls, confidence, capacity, logprobs)
 
+    def _no_drafts(self, Bb: int):
+        """Placeholder drafts for a plain step (never read: every ℓ is 0), kept on device per batch bucket."""
+        if not hasattr(self, "_placeholders"):
+            self._placeholders = {}
+        if Bb not in self._placeholders:
+            V = self.target.config.vocab_size
+            self._placeholders[Bb] = (jnp.zeros((Bb, self.L), jnp.int32), jnp.zeros((Bb, self.L, V), jnp.float32),
+                                      jnp.zeros((Bb, self.L), jnp.float32))
+        return self._placeholders[Bb]
+
+    def plain_shapes(self) -> list[tuple[int, int]]:
+        """(batch bucket, capacity) of plain steps (one token per row) for every number of rows."""
+        return sorted({(self.batch_bucket(r), pick(r, self.capacities)) for r in range(1, self.B + 1)})
+
     def empty_batch(self, rows: int) -> StepBatch:
         """A StepBatch of the bucket for `rows` requests, padding rows idle."""
         Bb = self.batch_bucket(max(rows, 1))
@@ -347,16 +364,19 @@ class ModelRunner:
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
-    def warmup(self, modes: tuple[str, ...], max_draft: int | None = None, progress=None) -> None:
+    def warmup(self, modes: tuple[str, ...], max_draft: int | None = None, progress=None, plain: bool = False) -> None:
         """Compiles every program at every shape a step can take (writes go to the dropped sentinel page).
 
-        progress: optional callable(done, total) for a progress bar."""
+        plain: also the plain steps (no draft pass) a scheduler may choose. progress: callable(done, total)."""
         sentinel = [self.num_pages] * self.max_pages
         shapes = self.verify_shapes(max_draft)
         jobs = [("prefill", c) for c in self.chunk_sizes]
         if self.drafter is not None:
             jobs += [("draft", bb) for bb in self.batch_buckets]
         jobs += [("verify", bb, cap, mode) for bb, cap in shapes for mode in modes]
+        if plain and self.drafter is not None:  # plain steps (no draft pass) at one token per row
+            jobs += [("verify", bb, cap, "lengths") for bb, cap in self.plain_shapes()
+                     if ("verify", bb, cap, "lengths") not in jobs]
         for i, job in enumerate(jobs):
             if job[0] == "prefill":
                 self.prefill([0] * job[1], 0, sentinel, np.zeros(2, np.uint32), 0.0, 0, 1.0)
@@ -374,6 +394,23 @@ class ModelRunner:
                     self.step(b, capacity=cap, lengths=np.zeros(bb, np.int32))
             if progress is not None:
                 progress(i + 1, len(jobs))
+
+    def profile_plain(self, context: int = 256, repeats: int = 5) -> dict[int, float]:
+        """Steps per second of a plain step (no draft pass, one token per row) per batch bucket, all rows
+        active at `context` committed tokens."""
+        context = max(0, min(context, self.max_pages * self.page_size - self.L - 2))
+        table = {}
+        for bb, cap in self.plain_shapes():
+            b = self.empty_batch(bb)
+            b.lengths[:bb] = context
+            times = []
+            for k in range(repeats + 1):
+                t0 = _now()
+                self.step(b, capacity=cap, drafts="skip")
+                if k:
+                    times.append(_now() - t0)
+            table[bb] = 1.0 / float(np.median(times))
+        return table
 
     def profile(self, mode: str, context: int = 256, repeats: int = 5, max_draft: int | None = None,
                 progress=None) -> dict[tuple[int, int], float]:

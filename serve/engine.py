@@ -91,7 +91,8 @@ class EngineCore:
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self._admit_counter = itertools.count()
-        self._conf_history: collections.deque = collections.deque(maxlen=2)  # {rid: conf [L]} per pass
+        self._conf_history: collections.deque = collections.deque(maxlen=2)  # (pass, {rid: conf [L]})
+        self._plain_run = 0  # consecutive plain steps (dspark)
         self.stats = collections.Counter()
         self.attempts, self.accepts = np.zeros(max(self.L, 1), np.int64), np.zeros(max(self.L, 1), np.int64)
 
@@ -304,11 +305,15 @@ class EngineCore:
         active = b.active
         spec = self.spec
         drafts = budget = lengths = dev = None
-        sps = self._sps_tokens(Bb, int(b.lengths[:R].max()))
+        context = int(b.lengths[:R].max())
+        sps = self._sps_tokens(Bb, context)
         if spec.kind == "dspark":
             stale = self._stale_confidence(running, Bb)
             budget = min(dspark_capacity(stale, active, self.L, sps), self.capacities[-1] - R)
             capacity = pick_bucket(R + budget, self.capacities)
+            if self._plain_pays(stale, R, budget, sps, self.sps.plain_at(Bb, context)):
+                drafts, budget, capacity = "skip", None, pick_bucket(R, self.capacities)
+                self.stats["plain_steps_total"] += 1
         else:
             conf = None
             if spec.syncs_on_drafts:
@@ -320,7 +325,8 @@ class EngineCore:
         res = self.runner.step(b, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts, dev=dev,
                                want_confidence=spec.kind == "dspark")
         if res.confidence is not None:
-            self._conf_history.append({r.rid: res.confidence[i] for i, r in enumerate(running)})
+            self._conf_history.append((self.stats["steps_total"], {r.rid: res.confidence[i]
+                                                                     for i, r in enumerate(running)}))
         self.stats["steps_total"] += 1
         self.stats["verify_tokens_total"] += int(R + res.lengths[:R].sum())
         self.stats["capacity_tokens_total"] += capacity
@@ -351,11 +357,31 @@ class EngineCore:
             elif out:
                 self._emit(r, out, logprobs=lps)
 
+    def _plain_pays(self, stale, R: int, K: int, sps: np.ndarray, plain_sps: float | None) -> bool:
+        """Whether a plain step (no draft pass) beats the best speculative one by the cost model:
+        Θ_plain = R · SPS_plain against Θ_K = (R + Σ top-K survival) · SPS(R + K). Survival is the stale one
+        (as for K), so the choice never looks at the current drafts. Every `PROBE_EVERY`-th consecutive plain
+        step drafts anyway, so the confidences the choice rests on stay fresh."""
+        if plain_sps is None or stale is None:
+            return False
+        if self._plain_run >= PROBE_EVERY:
+            self._plain_run = 0
+            return False
+        a = np.minimum.accumulate(np.cumprod(stale[:R].astype(np.float64), axis=-1), axis=-1).ravel()
+        gain = float(np.sort(a)[::-1][:K].sum()) if K > 0 else 0.0
+        theta_spec = (R + gain) * float(sps[min(R + K, len(sps) - 1)])
+        plain = R * plain_sps > theta_spec
+        self._plain_run = self._plain_run + 1 if plain else 0
+        return plain
+
     def _stale_confidence(self, running, Bb: int):
-        """Confidences two passes old for the rows [Bb, L]; a request without one yet counts as unknown (1)."""
-        if len(self._conf_history) < 2:
+        """Confidences at least two passes old for the rows [Bb, L] (the newest such pass: after plain steps the
+        last speculative pass may be old enough); a request without one yet counts as unknown (1)."""
+        now = self.stats["steps_total"]
+        usable = [c for t, c in self._conf_history if t <= now - 2]
+        if not usable:
             return None
-        old = self._conf_history[0]
+        old = usable[-1]
         conf = np.ones((Bb, self.L), np.float32)
         for i, r in enumerate(running):
             if r.rid in old:
@@ -492,6 +518,7 @@ def capacity_buckets(max_batch: int, block_size: int) -> tuple[int, ...]:
     return pow2_buckets(max_batch * (block_size + 1))
 
 
+PROBE_EVERY = 8  # dspark: after this many plain steps in a row, one speculative step refreshes the confidences
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the length taken from the target's config
 PROFILE_CONTEXTS = (64, 512)  # context lengths the SPS table is profiled at (interpolated between)
 
@@ -588,7 +615,7 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
     max_draft = spec.n if spec.kind == "fixed" else None
     t0 = time.perf_counter()
     update, close = _bar(progress, "compiling")
-    runner.warmup((mode,), max_draft=max_draft, progress=update)
+    runner.warmup((mode,), max_draft=max_draft, progress=update, plain=spec.kind == "dspark")
     close()
     say(f"compiled {len(runner.verify_shapes(max_draft))} step shapes in {time.perf_counter() - t0:.1f}s")
     sps = None
@@ -603,8 +630,13 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
             prog = None if update is None else (lambda d, t, i=i: update(i * t + d, t * len(PROFILE_CONTEXTS)))
             for (bb, cap), v in runner.profile(mode, context=ctx, max_draft=max_draft, progress=prog).items():
                 entries[bb, cap, ctx] = v
+        plain = {}
+        if spec.kind == "dspark":
+            for ctx in PROFILE_CONTEXTS:
+                for bb, v in runner.profile_plain(context=ctx).items():
+                    plain[bb, ctx] = v
         close()
-        sps = SpsTable(entries).smoothed()
+        sps = SpsTable(entries, plain).smoothed()
     if sps is not None:
         say("SPS " + sps.summary())
         if sps_out:

@@ -121,6 +121,7 @@ class SpsTable:
     """
 
     entries: dict[tuple[int, int, int], float]  # (batch bucket, capacity, context) → steps/s
+    plain: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (batch, context) → plain steps/s
 
     @property
     def contexts(self) -> list[int]:
@@ -139,7 +140,20 @@ class SpsTable:
             for ctx in sorted(k[2] for k in out if k[0] == bb and k[1] == cap):
                 best = min(best, out[bb, cap, ctx])
                 out[bb, cap, ctx] = best
-        return SpsTable(out)
+        plain = dict(self.plain)
+        for bb in {b for b, _ in plain}:
+            best = np.inf
+            for ctx in sorted(c for b, c in plain if b == bb):
+                best = min(best, plain[bb, ctx])
+                plain[bb, ctx] = best
+        return SpsTable(out, plain)
+
+    def plain_at(self, bb: int, context: float) -> float | None:
+        """Steps/s of a plain step (no draft pass) for batch bucket bb, or None when not profiled."""
+        ctxs = sorted(c for b, c in self.plain if b == bb)
+        if not ctxs:
+            return None
+        return float(np.interp(context, ctxs, [self.plain[bb, c] for c in ctxs]))
 
     def at(self, bb: int, cap: int, context: float) -> float:
         ctxs = [c for c in self.contexts if (bb, cap, c) in self.entries]
@@ -159,8 +173,9 @@ class SpsTable:
 
     def save(self, path: str) -> None:
         rows = [{"batch": b, "capacity": c, "context": x, "sps": v} for (b, c, x), v in sorted(self.entries.items())]
+        plain = [{"batch": b, "context": x, "sps": v} for (b, x), v in sorted(self.plain.items())]
         with open(path, "w") as f:
-            json.dump({"format": "dspark-sps-v2", "entries": rows}, f, indent=1)
+            json.dump({"format": "dspark-sps-v2", "entries": rows, "plain": plain}, f, indent=1)
 
     @classmethod
     def load(cls, path: str) -> SpsTable:
@@ -170,7 +185,8 @@ class SpsTable:
             if data.get("format") != "dspark-sps-v2":
                 raise ValueError(f"unknown format {data.get('format')!r}")
             return cls({(int(r["batch"]), int(r["capacity"]), int(r["context"])): float(r["sps"])
-                        for r in data["entries"]})
+                        for r in data["entries"]},
+                       {(int(r["batch"]), int(r["context"])): float(r["sps"]) for r in data.get("plain", [])})
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"not an SPS table: {path}: {e}") from None
 

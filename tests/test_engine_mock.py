@@ -69,6 +69,7 @@ class Pass:
     lengths_arg: list[int] | None
     host_drafted: bool  # the engine drafted (a host sync) before calling step
     want_confidence: bool
+    plain: bool = False  # a plain step (no draft pass)
     slots: dict[int, int] = dataclasses.field(default_factory=dict)
     n: dict[int, int] = dataclasses.field(default_factory=dict)
     anchor: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -158,10 +159,16 @@ class MockRunner:
              want_confidence=False):
         if len(self.passes) == self.fail_at_pass:
             raise RuntimeError("mock device error")
+        plain = isinstance(drafts, str) and drafts == "skip"
+        if plain:  # a plain step: no draft pass, every ℓ = 0
+            lengths, budget, want_confidence = np.zeros(b.lengths.shape[0], np.int32), None, False
+            drafts = (np.zeros((b.lengths.shape[0], self.L), np.int32), None,
+                      np.zeros((b.lengths.shape[0], self.L), np.float32))
         assert (lengths is None) != (budget is None), "exactly one of lengths and budget"
         assert capacity in self.capacities, f"{capacity=} is not a bucket"
         rec = Pass(capacity, None if budget is None else int(budget),
-                   None if lengths is None else [int(x) for x in lengths], drafts is not None, want_confidence)
+                   None if lengths is None else [int(x) for x in lengths], drafts is not None and not plain,
+                   want_confidence, plain=plain)
         draft, _, conf = drafts if drafts is not None else self.draft(b, None)
         active = b.active.copy()
         if budget is not None:
@@ -611,6 +618,32 @@ def test_dspark_budget_capped_by_the_largest_bucket():
     # R = 1: K = 4 → bucket 8. R = 2: 8 candidates, K = 8 − R = 6 → bucket 8.
     assert [(rec.R, rec.budget, rec.capacity) for rec in runner.passes] == [(1, 4, 8), (2, 6, 8), (2, 6, 8)]
     assert [sum(rec.ell.values()) for rec in runner.passes] == [4, 6, 6]
+
+
+def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
+    """Survival 0.1 per draft token and a plain step twice as fast as any speculative one: Θ_plain = R · 2
+    beats (R + Σa) · 1, so the engine runs plain steps (no draft pass, ℓ = 0) once stale confidences exist,
+    drafting again every PROBE_EVERY-th step to refresh them; outputs stay exact. With the plain step as slow
+    as a speculative one, it always drafts."""
+    from serve.engine import PROBE_EVERY
+    from serve.scheduler import SpsTable
+
+    def run(plain_sps):
+        core, runner = make_core("dspark", B=2, L=4, max_model_len=64,
+                                 conf=lambda t, s, seed, rnd: np.full(4, 0.1, np.float32))
+        shapes = runner.verify_shapes()
+        core.set_sps(SpsTable({(bb, c, 0): 1.0 for bb, c in shapes}, {(bb, 0): plain_sps for bb in (1, 2)}))
+        out = Outputs()
+        submit(core, out, "r1", [10, 11], 40, seed=1)
+        drain(core, out)
+        assert out.tokens("r1") == continuation([10, 11], 40)[0]
+        return [rec.plain for rec in runner.passes]
+
+    plain = run(2.0)
+    assert plain[:2] == [False, False]  # no confidences two passes old yet
+    assert plain[2 : 2 + PROBE_EVERY] == [True] * PROBE_EVERY and plain[2 + PROBE_EVERY] is False
+    assert sum(plain) > 0.8 * len(plain)
+    assert not any(run(1.0))
 
 
 # ---- metrics --------------------------------------------------------------------------------------------------------
