@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import draft_vocab
 from dspark_jax import kernels as kernels_lib
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead
@@ -57,10 +58,11 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
     if cfg.kind == "eagle3":
         return _draft_eagle(model, head, cache, anchor, keys, temperature, top_k, top_p)
     h = model.block_hidden(head, cache, anchor, cache.lengths)  # [B, L, D]
-    U = head.logits(h)  # [B, L, V]
+    U = draft_vocab.head_logits(head, h, cfg)  # [B, L, Vd]: V, or the reduced draft vocabulary's size
     if cfg.head == "none":  # DFlash: every position sampled independently from its marginal
         probs = filter_probs(U, temperature, top_k, top_p)
-        return sample(keys, probs, greedy), probs, jnp.ones((B, L), jnp.float32)
+        return (draft_vocab.to_target(sample(keys, probs, greedy), cfg), draft_vocab.to_vocab(probs, cfg),
+                jnp.ones((B, L), jnp.float32))
 
     temps = jnp.asarray(cfg.calibration, jnp.float32) if cfg.calibration else jnp.ones((L,), jnp.float32)
 
@@ -70,7 +72,7 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
         e = model.markov_embedding(prev)  # [B, R]
         bias, state = model.sequential_bias(e, h_k, state)
         probs = filter_probs(U_k + bias, temperature, top_k, top_p)
-        x = sample(_step_keys(keys, k), probs, greedy)
+        x = draft_vocab.to_target(sample(_step_keys(keys, k), probs, greedy), cfg)  # target ids feed W1
         conf = jax.nn.sigmoid(model.confidence_logit(h_k, e) / t_k) if cfg.confidence else jnp.ones((B,))
         return (x, state), (x, probs, conf)
 
@@ -78,9 +80,11 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
         state0 = jnp.zeros((B, cfg.markov_rank), model.markov_w1[...].dtype)
         xs = (jnp.arange(L), h.swapaxes(0, 1), U.swapaxes(0, 1), temps)
         _, (tok, probs, conf) = jax.lax.scan(body, (anchor, state0), xs)
-        return tok.T.astype(jnp.int32), probs.swapaxes(0, 1), conf.T.astype(jnp.float32)
+        return tok.T.astype(jnp.int32), draft_vocab.to_vocab(probs.swapaxes(0, 1), cfg), conf.T.astype(jnp.float32)
 
-    if cfg.head != "markov" or not kernels_lib.use_pallas(kernels_lib.KernelConfig.parse(kernels).markov):
+    # The fused kernel indexes W1 by the sampled token: a reduced vocabulary takes the scan path.
+    fused = kernels_lib.use_pallas(kernels_lib.KernelConfig.parse(kernels).markov) and not draft_vocab.is_reduced(cfg)
+    if cfg.head != "markov" or not fused:
         return scan_path()
 
     def fused_path():
@@ -108,8 +112,8 @@ def _draft_eagle(model: DrafterModel, head, cache, anchor, keys, temperature, to
     def body(carry, k):
         tok, feat, ek, ev, emask = carry
         out, h, (kk, vv) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, (ek, ev, emask))
-        probs = filter_probs(head.logits(h), temperature, top_k, top_p)
-        x = sample(_step_keys(keys, k), probs, all_greedy(temperature))
+        probs = filter_probs(draft_vocab.head_logits(head, h, cfg), temperature, top_k, top_p)
+        x = draft_vocab.to_target(sample(_step_keys(keys, k), probs, all_greedy(temperature)), cfg)
         ek = jax.lax.dynamic_update_index_in_dim(ek, kk.astype(dtype), k, 2)
         ev = jax.lax.dynamic_update_index_in_dim(ev, vv.astype(dtype), k, 2)
         emask = emask.at[:, k].set(True)
@@ -117,7 +121,7 @@ def _draft_eagle(model: DrafterModel, head, cache, anchor, keys, temperature, to
 
     init = (anchor, cache.last_feature, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((B, L), bool))
     _, (tok, probs) = jax.lax.scan(body, init, jnp.arange(L))
-    return tok.T.astype(jnp.int32), probs.swapaxes(0, 1), jnp.ones((B, L), jnp.float32)
+    return tok.T.astype(jnp.int32), draft_vocab.to_vocab(probs.swapaxes(0, 1), cfg), jnp.ones((B, L), jnp.float32)
 
 
 class Drafter:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from dspark_jax import draft_vocab
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.kv_cache import write_kv
 from dspark_jax.layers import Projections, RMSNorm, SwiGLU, apply_rope, attention, rope_inv_freq
@@ -112,9 +113,11 @@ class DrafterModel(nnx.Module):
         else:
             self.mask_embed = nnx.Param(init(rngs.params(), (D,), dtype))
         if cfg.head != "none":
-            self.markov_w1 = nnx.Param(init(rngs.params(), (V, R), dtype))  # Markov embedding
+            # Markov embedding: a row per token (per subset token + one shared row with a reduced vocabulary).
+            rows = draft_vocab.size(cfg) + 1 if draft_vocab.is_reduced(cfg) else V
+            self.markov_w1 = nnx.Param(init(rngs.params(), (rows, R), dtype))
             # W2 starts at zero: an untrained head leaves the backbone's logits untouched.
-            self.markov_w2 = nnx.Param(jnp.zeros((R, V), dtype))
+            self.markov_w2 = nnx.Param(jnp.zeros((R, draft_vocab.size(cfg)), dtype))
         if cfg.head == "rnn":
             self.rnn = nnx.Param(init(rngs.params(), (2 * R + D, 3 * R), dtype))  # gate | candidate | out
         if cfg.confidence:
@@ -201,7 +204,7 @@ class DrafterModel(nnx.Module):
     # ---- sequential heads ---------------------------------------------------------------------------------------
     def markov_embedding(self, prev_tokens: jax.Array) -> jax.Array:
         """W1[x_{k−1}]: [...] → [..., R]."""
-        return jnp.take(self.markov_w1[...], prev_tokens, axis=0)
+        return jnp.take(self.markov_w1[...], draft_vocab.markov_rows(prev_tokens, self.cfg), axis=0)
 
     def sequential_bias(self, e, h_k, state):
         """Bias B_k [B, V] and the next RNN state, from the Markov embedding e [B, R] and h_k [B, D]."""

@@ -21,8 +21,8 @@ def _prepare(args) -> None:
     meta = prepare(args.out, target_spec=args.target, per_domain={k: v for k, v in per_domain.items() if v > 0},
                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                   num_shards=args.shards, seed=args.seed)
-    print(json.dumps(meta, indent=2))
+                   part_size=args.part_size, seed=args.seed)
+    print(json.dumps({k: v for k, v in meta.items() if k not in ("shards", "settings")}, indent=2))
     if args.features:
         _features(args)
 
@@ -34,7 +34,8 @@ def _features(args) -> None:
 
     target = load_target(args.target)
     layers = tuple(args.layers) if args.layers else default_target_layers(target.config.num_layers)
-    print(f"features of target layers {list(layers)} → {featurize(args.out, target, layers)}")
+    out = featurize(args.out, target, layers, out_root=args.features_root, batch_size=args.features_batch)
+    print(f"features of target layers {list(layers)} → {out}")
 
 
 def _fit(args) -> None:
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    pr = sub.add_parser("prepare", help="regenerate training responses with the target")
+    pr = sub.add_parser("prepare", help="regenerate training responses with the target (resumable: rerun the "
+                        "same command to continue)")
     pr.add_argument("--out", default="data/smollm2", help="output directory for shards and metadata.json")
     pr.add_argument("--target", default="smollm2-135m-instruct", help="target name, HF directory or .gguf file")
     pr.add_argument("--chat", type=int, default=480, help="ShareGPT training prompts")
@@ -70,22 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--math", type=int, default=240, help="GSM-style math training prompts")
     pr.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer chat-templated prompts")
     pr.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
-    pr.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    pr.add_argument("--batch-size", type=int, default=64, help="decode slots (prompts decoded together)")
     pr.add_argument("--temperature", type=float, default=0.2, help="SmolLM2's recommended sampling: 0.2")
     pr.add_argument("--top-p", type=float, default=0.9, help="SmolLM2's recommended sampling: 0.9")
-    pr.add_argument("--shards", type=int, default=4, help="number of ArrayRecord files")
+    pr.add_argument("--part-size", type=int, default=128,
+                    help="prompts per shard: the unit written as soon as it is done, and of resumption")
     pr.add_argument("--seed", type=int, default=0, help="prompt selection and sampling seed")
     pr.add_argument("--no-features", dest="features", action="store_false",
                     help="skip precomputing the target features (then training runs the target each step)")
     pr.add_argument("--layers", type=int, nargs="*", default=None,
                     help="target layers to store features of (default: the drafters' low/mid/high layers)")
+    pr.add_argument("--features-root", default=None,
+                    help="directory for features-<layers>/ (default: --out); features are large, tokens small")
+    pr.add_argument("--features-batch", type=int, default=4, help="sequences per target forward")
     pr.set_defaults(func=_prepare)
 
-    fe = sub.add_parser("features", help="precompute target features for prepared data")
+    fe = sub.add_parser("features", help="precompute target features for prepared data (incremental: skips "
+                        "shards already done)")
     fe.add_argument("--out", default="data/smollm2", help="the prepared data directory")
     fe.add_argument("--target", default="smollm2-135m-instruct", help="target name, HF directory or .gguf file")
     fe.add_argument("--layers", type=int, nargs="*", default=None,
                     help="target layers (default: the drafters' low/mid/high layers)")
+    fe.add_argument("--features-root", default=None,
+                    help="directory for features-<layers>/ (default: --out); features are large, tokens small")
+    fe.add_argument("--features-batch", type=int, default=4, help="sequences per target forward")
     fe.set_defaults(func=_features)
 
     f = sub.add_parser("fit", help="distil a drafter (resumes from the run directory)")

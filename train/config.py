@@ -3,7 +3,8 @@
 
   target  — which frozen target to distil from (a name, HF directory or .gguf) and its dtype.
   drafter — DrafterConfig overrides (kind, block_size, num_layers, markov_rank, …) on top of the target's defaults.
-  data    — prepared ArrayRecord shards, window length T, anchors per sequence A, sequences per batch.
+  data    — prepared ArrayRecord shards (and where their target features are), window length T, anchors per
+            sequence A (packed over one shared context), sequences per batch.
   optim   — AdamW with linear warmup then cosine decay, global-norm clipping.
   mesh    — (data, fsdp, tensor) device mesh; 1×1×1 on one CPU; `distributed` calls jax.distributed.initialize().
   run     — output directory, checkpoint cadence and retention, logging cadence, seed.
@@ -32,6 +33,11 @@ class DrafterSection:
     block_size: int = 7
     overrides: dict = dataclasses.field(default_factory=dict)  # any other DrafterConfig field
     init_seed: int = 0
+    # > 0: a reduced draft vocabulary of this many tokens, the most frequent in data.path's responses
+    # (train/vocab.py; dspark_jax/draft_vocab.py); 0 = the target's whole vocabulary.
+    draft_vocab_size: int = 0
+    # Where the chosen ids are shared between runs compared with each other (read if present, else written).
+    draft_vocab_file: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +48,7 @@ class DataSection:
     batch_sequences: int = 8  # S sequences per global batch (S·A (sequence, anchor) rows)
     worker_count: int = 0  # grain worker processes (0 = in-process)
     features: bool = True  # read precomputed target features (train/features.py) instead of a target forward
+    features_path: str | None = None  # the directory holding features-<layers>/ (default: path)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

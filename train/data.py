@@ -34,7 +34,8 @@ def shard_files(path: str) -> list[str]:
 
 def window_and_anchors(rec: dict, rng: np.random.Generator, seq_len: int, num_anchors: int) -> dict:
     """One training example from a decoded record (see module docstring). Records with precomputed target
-    features (train/features.py) also give "feats" [T, m·D] and "hidden" [T, D] (f32, zero-padded)."""
+    features (train/features.py) also give "feats" [T, m·D], "hidden" [T, D] and, when stored, the target's
+    log-normaliser "lse" [T] (f32, zero-padded)."""
     tokens, p = rec["tokens"], rec["prompt_len"]
     n_tok = len(tokens)
     # A window [start, start + T) that ends after the first response token and starts before the last one.
@@ -49,25 +50,26 @@ def window_and_anchors(rec: dict, rng: np.random.Generator, seq_len: int, num_an
     out = np.zeros(seq_len, np.int32)
     out[:length] = win
     ex = {"tokens": out, "lengths": np.int32(length), "anchors": anchors.astype(np.int32)}
-    for name in ("feats", "hidden"):
+    for name in ("feats", "hidden", "lse"):
         if name in rec:
-            x = np.zeros((seq_len, rec[name].shape[1]), np.float32)
+            x = np.zeros((seq_len,) + rec[name].shape[1:], np.float32)
             x[:length] = rec[name][start : start + length]
             ex[name] = x
     return ex
 
 
 def make_dataset(path: str, *, seq_len: int, anchors_per_seq: int, batch_sequences: int, seed: int,
-                 process_index: int = 0, process_count: int = 1, feature_layers: tuple[int, ...] | None = None
-                 ) -> grain.MapDataset:
+                 process_index: int = 0, process_count: int = 1, feature_layers: tuple[int, ...] | None = None,
+                 features_path: str | None = None) -> grain.MapDataset:
     """An infinite, shuffled, batched MapDataset over the prepared shards (this process's slice).
-    With `feature_layers`, reads the precomputed features of those target layers instead of bare tokens."""
+    With `feature_layers`, reads the precomputed features of those target layers (under `features_path`,
+    default `path`) instead of bare tokens."""
     if batch_sequences % process_count:
         raise ValueError(f"batch_sequences={batch_sequences} must divide over {process_count} processes")
     if feature_layers is not None:
         from train import features
 
-        fdir = features.features_dir(path, feature_layers)
+        fdir = features.features_dir(path if features_path is None else features_path, feature_layers)
         source = grain.sources.ArrayRecordDataSource(shard_files(fdir))
         decode = features.decode
     else:

@@ -69,7 +69,8 @@ def _loss(dparams, tparams, batch, *, dgraph, tgraph, tied, weights):
                                   compute_logits=False)
     hidden, feats = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(feats)
     head = TargetHead.from_params(tparams, tied)
-    return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], hidden, feats, weights)
+    return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], hidden, feats, weights,
+                        target_lse=batch.get("lse"))
 
 
 def make_loss_fn(target, drafter: Drafter, weights: LossWeights | None = None):

@@ -1,13 +1,20 @@
-"""Precomputed target features (`python -m train prepare` runs this after regenerating responses).
+"""Precomputed target features (`python -m train features`; `prepare` runs it after regenerating responses).
 
 The drafter reads the frozen target's hidden states: the concatenated outputs of `target_layers` (KV
 injection, eq. 2) and the final-normed hidden state (p_t = softmax(head(h)) at block positions, eq. 10–11).
 They depend only on the token sequence, so one target forward per sequence, stored once, serves every epoch
 and every drafter trained on the same target layers — instead of a 135M-parameter forward in each train step.
 Stored in bfloat16 (range of f32; the training step upcasts), ArrayRecord shards under
-`<data>/features-<layers>/`, one record per sequence:
-  4-byte little-endian header length | JSON header {tokens, prompt_len, domain, feat_dim} |
-  feats bf16 [n, m·D] | hidden bf16 [n, D].
+`<features root>/features-<layers>/`, one output shard per token shard (same name), one record per sequence:
+  4-byte little-endian header length | JSON header {tokens, prompt_len, domain, feat_dim, lse} |
+  feats bf16 [n, m·D] | hidden bf16 [n, D] | lse f32 [n] (when the header says "lse": true).
+`lse` is the target's log-normaliser logsumexp(head(h)) over the whole vocabulary at every position, computed
+from the stored (bf16-rounded) h: with it, p_t of a reduced draft vocabulary is exp(head_subset(h) − lse), the
+exact full-vocabulary softmax restricted to the subset, without a V-wide head in the train step.
+
+Incremental: an output shard is written under a temporary name and renamed when complete, and a rerun skips
+the token shards whose feature shard exists — so `features` can run while `prepare` is still writing shards,
+and again later to pick up the new ones.
 """
 
 from __future__ import annotations
@@ -22,17 +29,19 @@ import numpy as np
 from train.prepare import RECORD_GLOB, decode_record
 
 
-def features_dir(data_dir: str, layers) -> str:
-    return os.path.join(data_dir, "features-" + "-".join(str(i) for i in layers))
+def features_dir(root: str, layers) -> str:
+    return os.path.join(root, "features-" + "-".join(str(i) for i in layers))
 
 
-def encode(rec: dict, feats: np.ndarray, hidden: np.ndarray) -> bytes:
+def encode(rec: dict, feats: np.ndarray, hidden: np.ndarray, lse: np.ndarray | None = None) -> bytes:
     import ml_dtypes
 
     head = json.dumps({"tokens": [int(t) for t in rec["tokens"]], "prompt_len": int(rec["prompt_len"]),
-                       "domain": rec["domain"], "feat_dim": int(feats.shape[1])}).encode()
-    return (struct.pack("<I", len(head)) + head + feats.astype(ml_dtypes.bfloat16).tobytes()
-            + hidden.astype(ml_dtypes.bfloat16).tobytes())
+                       "domain": rec["domain"], "feat_dim": int(feats.shape[1]), "lse": lse is not None}).encode()
+    body = feats.astype(ml_dtypes.bfloat16).tobytes() + hidden.astype(ml_dtypes.bfloat16).tobytes()
+    if lse is not None:
+        body += np.asarray(lse, "<f4").tobytes()
+    return struct.pack("<I", len(head)) + head + body
 
 
 def decode(raw: bytes) -> dict:
@@ -42,18 +51,35 @@ def decode(raw: bytes) -> dict:
     head = json.loads(raw[4 : 4 + n_head])
     tokens = np.asarray(head["tokens"], np.int32)
     n, m = len(tokens), head["feat_dim"]
-    body = np.frombuffer(raw[4 + n_head :], dtype=ml_dtypes.bfloat16)
-    feats = body[: n * m].reshape(n, m)
-    hidden = body[n * m :].reshape(n, -1)
-    return {"tokens": tokens, "prompt_len": head["prompt_len"], "domain": head["domain"], "feats": feats,
-            "hidden": hidden}
+    body = raw[4 + n_head :]
+    lse = None
+    if head.get("lse"):
+        lse = np.frombuffer(body[len(body) - 4 * n :], "<f4")
+        body = body[: len(body) - 4 * n]
+    flat = np.frombuffer(body, dtype=ml_dtypes.bfloat16)
+    out = {"tokens": tokens, "prompt_len": head["prompt_len"], "domain": head["domain"],
+           "feats": flat[: n * m].reshape(n, m), "hidden": flat[n * m :].reshape(n, -1)}
+    if lse is not None:
+        out["lse"] = lse
+    return out
 
 
-def featurize(data_dir: str, target, layers: tuple[int, ...], *, batch_size: int = 8, progress: bool = True) -> str:
-    """Runs the target over every prepared sequence and writes the feature shards; returns their directory."""
+def featurize(data_dir: str, target, layers: tuple[int, ...], *, out_root: str | None = None, batch_size: int = 4,
+              progress: bool = True) -> str:
+    """Runs the target over every prepared sequence not yet featurized; returns the features directory.
+
+    Args:
+      data_dir: the token shards (`python -m train prepare --out`).
+      target: the frozen target.
+      layers: target layers whose outputs are stored (the drafters' `target_layers`).
+      out_root: where `features-<layers>/` goes (default: data_dir).
+      batch_size: sequences per forward (padded with empty rows: one compiled shape per length bucket).
+    """
     import jax
     import jax.numpy as jnp
+    import ml_dtypes
     from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+    from flax import nnx
     from tqdm.auto import tqdm
 
     from dspark_jax.decoding import round_up
@@ -61,22 +87,29 @@ def featurize(data_dir: str, target, layers: tuple[int, ...], *, batch_size: int
     files = sorted(glob.glob(os.path.join(data_dir, RECORD_GLOB)))
     if not files:
         raise ValueError(f"no prepared data in {data_dir!r}; run `python -m train prepare` first")
-    out_dir = features_dir(data_dir, layers)
+    out_dir = features_dir(data_dir if out_root is None else out_root, layers)
     os.makedirs(out_dir, exist_ok=True)
-    from flax import nnx
 
     @jax.jit
     def fwd(params, tokens):
         model = nnx.merge(target.graphdef, params)
-        return model(tokens, model.init_cache(*tokens.shape), hidden_layers=tuple(layers), compute_logits=False)
+        h, _, feats = model(tokens, model.init_cache(*tokens.shape), hidden_layers=tuple(layers),
+                            compute_logits=False, kernels="reference")
+        h = h.astype(jnp.bfloat16).astype(jnp.float32)  # what is stored: lse must normalise exactly this h
+        lse = jax.lax.map(lambda row: jax.nn.logsumexp(model.head(row), axis=-1), h)  # one [T, V] at a time
+        return h, feats, lse
 
-    total = 0
-    for path in files:  # record counts only, for the progress bar
+    def count(path):
         reader = ArrayRecordReader(path)
-        total += reader.num_records()
+        n = reader.num_records()
         reader.close()
-    bar = tqdm(total=total, desc="target features", unit="seq", disable=not progress)
-    for path in files:
+        return n
+
+    todo = [p for p in files if not os.path.exists(os.path.join(out_dir, os.path.basename(p)))]
+    done_seqs = sum(count(os.path.join(out_dir, os.path.basename(p))) for p in files if p not in todo)
+    bar = tqdm(total=sum(count(p) for p in todo), desc=f"target features ({len(files) - len(todo)}/{len(files)} "
+               "shards done)", unit="seq", disable=not progress, mininterval=10)
+    for path in todo:
         reader = ArrayRecordReader(path)
         recs = [decode_record(r) for r in reader.read_all()]
         reader.close()
@@ -85,20 +118,24 @@ def featurize(data_dir: str, target, layers: tuple[int, ...], *, batch_size: int
         for s in range(0, len(order), batch_size):
             idx = order[s : s + batch_size]
             T = round_up(max(len(recs[i]["tokens"]) for i in idx), 64)
-            toks = np.zeros((len(idx), T), np.int32)
+            toks = np.zeros((batch_size, T), np.int32)
             for j, i in enumerate(idx):
                 toks[j, : len(recs[i]["tokens"])] = recs[i]["tokens"]
-            hidden, _, feats = fwd(target.params, jnp.asarray(toks))
-            hidden, feats = np.asarray(hidden), np.asarray(feats)
+            hidden, feats, lse = (np.asarray(x) for x in fwd(target.params, jnp.asarray(toks)))
             for j, i in enumerate(idx):
                 n = len(recs[i]["tokens"])
-                out[i] = encode(recs[i], feats[j, :n], hidden[j, :n])
+                out[i] = encode(recs[i], feats[j, :n], hidden[j, :n].astype(ml_dtypes.bfloat16), lse[j, :n])
             bar.update(len(idx))
-        writer = ArrayRecordWriter(os.path.join(out_dir, os.path.basename(path)), "group_size:1")
+        final = os.path.join(out_dir, os.path.basename(path))
+        tmp = os.path.join(out_dir, "." + os.path.basename(path) + ".tmp")
+        writer = ArrayRecordWriter(tmp, "group_size:1")
         for raw in out:
             writer.write(raw)
         writer.close()
+        os.replace(tmp, final)
+        done_seqs += len(recs)
+        with open(os.path.join(out_dir, "features.json"), "w") as f:
+            json.dump({"layers": list(layers), "sequences": done_seqs, "dtype": "bfloat16", "lse": True,
+                       "tokens_dir": os.path.abspath(data_dir)}, f)
     bar.close()
-    with open(os.path.join(out_dir, "features.json"), "w") as f:
-        json.dump({"layers": list(layers), "sequences": total, "dtype": "bfloat16"}, f)
     return out_dir

@@ -33,8 +33,16 @@ def build(cfg: TrainConfig, target=None):
     from dspark_jax.target import load_target
 
     target = load_target(cfg.target.spec, cfg.target.dtype) if target is None else target
+    overrides = dict(cfg.drafter.overrides)
+    if cfg.drafter.draft_vocab_size:  # a reduced draft vocabulary, fixed at the run's first start
+        from train.vocab import run_vocabulary
+
+        overrides["draft_vocab"] = run_vocabulary(os.path.abspath(cfg.run.out_dir), cfg.data.path,
+                                                  cfg.drafter.draft_vocab_size, target.config.vocab_size,
+                                                  always=target.eos_token_ids,
+                                                  shared_file=cfg.drafter.draft_vocab_file)
     drafter = init_drafter(target, kind=cfg.drafter.kind, seed=cfg.drafter.init_seed,
-                           block_size=cfg.drafter.block_size, **cfg.drafter.overrides)
+                           block_size=cfg.drafter.block_size, **overrides)
     return target, drafter
 
 
@@ -92,7 +100,8 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     it = make_iterator(d.path, seq_len=d.seq_len, anchors_per_seq=d.anchors_per_seq,
                        batch_sequences=d.batch_sequences, seed=cfg.run.seed,
                        process_index=jax.process_index(), process_count=jax.process_count(),
-                       feature_layers=drafter.config.target_layers if d.features else None)
+                       feature_layers=drafter.config.target_layers if d.features else None,
+                       features_path=d.features_path)
     mngr = ocp.CheckpointManager(
         os.path.join(out_dir, "checkpoints"),
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep, save_interval_steps=cfg.run.ckpt_every,

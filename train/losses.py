@@ -4,9 +4,15 @@ A batch is S sequences with A anchors each: tokens int32 [S, T], valid lengths [
 (or [S] for one) with 1 ≤ n ≤ length − 2. One frozen target forward over the S sequences gives the final-normed
 hidden states [S, T, D] and the concatenated hidden states of `target_layers` [S, T, m·D]; all A anchors of a
 sequence share them (the S·A rows below are (sequence, anchor) pairs). For a row with anchor x_n:
-  context  — the drafter's context K/V are computed once per sequence over all T positions, repeated over its
-             anchors, and `lengths` = n masks every position ≥ n (EAGLE-3: n − 1 entries pairing f_t with
+  context  — the drafter's context K/V are computed once per sequence over all T positions and shared by its
+             anchors, a query of anchor n seeing positions < n (EAGLE-3: n − 1 entries pairing f_t with
              x_{t+1}, `last_feature` = f_{n−1});
+  packing  — dspark/dflash run all A blocks of a sequence as one packed pass (`packed_block_hidden`, the
+             paper's anchor-bounded packing; DeepSpec packs 512 anchors): the S·A·L block queries attend to the
+             sequence's single context K/V [S, K, T, H] under a per-anchor prefix mask, and bidirectionally to
+             their own block only — never repeating the context per anchor, so memory grows with A·L·T scores,
+             not A·T keys. `context_cache` (context repeated per anchor, the inference layout) is the
+             reference it is tested against, and what EAGLE-3's step-by-step unroll still uses;
   targets  — block slot k (0-based) predicts x*_{n+1+k} (ground truth from the sequence) and is compared with
              the target's p_t,k = softmax(head(h[n+k])), the LM head applied only at these S·A·L positions;
              slots with n+1+k ≥ length are masked.
@@ -28,8 +34,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dspark_jax import draft_vocab
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead
+from dspark_jax.layers import apply_rope, rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,15 +65,26 @@ def _gather_time(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def block_targets(tokens, lengths, anchors, target_hidden, head: TargetHead, L: int):
+def block_targets(tokens, lengths, anchors, target_hidden, head: TargetHead, L: int, cfg: DrafterConfig | None = None,
+                  target_lse=None):
     """For rows (tokens [B, T], lengths [B], anchors [B]): ground truth x*_{n+1..n+L} [B, L], teacher-forcing
-    inputs x*_{n..n+L−1} [B, L], target probs p_t [B, L, V] (the head at the L gathered positions of
-    target_hidden [B, T, D]) and the valid-slot mask [B, L]."""
+    inputs x*_{n..n+L−1} [B, L], target probs p_t [B, L, Vd] (the head at the L gathered positions of
+    target_hidden [B, T, D]) and the valid-slot mask [B, L].
+
+    With a reduced draft vocabulary (cfg.draft_vocab) p_t is the target's full-vocabulary softmax restricted
+    to the subset (it sums to the subset's mass, ≤ 1): exp(head_subset(h) − lse), lse = the full log-normaliser
+    per position, read from `target_lse` [B, T] (precomputed features) or computed with the whole head."""
     k = jnp.arange(L, dtype=jnp.int32)[None]
     idx = anchors[:, None] + k  # positions n+k: their logits predict x_{n+k+1}
     truth = _gather_time(tokens, idx + 1)
     prev = _gather_time(tokens, idx)
-    p_t = jax.nn.softmax(head.logits(_gather_time(target_hidden, idx)), axis=-1)
+    h_t = _gather_time(target_hidden, idx)
+    if cfg is None or not draft_vocab.is_reduced(cfg):
+        p_t = jax.nn.softmax(head.logits(h_t), axis=-1)
+    else:
+        lse = (jax.nn.logsumexp(head.logits(h_t), axis=-1) if target_lse is None
+               else _gather_time(target_lse, idx).astype(jnp.float32))
+        p_t = jnp.exp(draft_vocab.head_logits(head, h_t, cfg) - lse[..., None])
     valid = (idx + 1) < lengths[:, None]
     return truth, prev, p_t, valid
 
@@ -86,11 +105,82 @@ def context_cache(model: DrafterModel, head: TargetHead, tokens, feats, anchors)
                         last_feature=rep(full.last_feature))
 
 
-def _dspark_logits(model: DrafterModel, head, cache, anchors, prev):
-    """Teacher-forced DSpark: (logits U_k + B_k [B, L, V], confidence logits [B, L])."""
+def anchor_slot_predicts(cfg: DrafterConfig) -> bool:
+    """Block layout: anchor + L−1 masks read at all L slots (dspark; DeepSpec's DFlash), or anchor + L masks
+    read at the L mask slots (this project's original DFlash)."""
+    return cfg.kind == "dspark" or getattr(cfg, "anchor_predicts", False)
+
+
+def packed_attention(q, k, v, ctx_k, ctx_v, ctx_mask, A: int):
+    """Attention of S sequences' packed blocks: each of A blocks of n queries reads the shared context under
+    its own mask and its own block (bidirectionally), as `layers.attention` over [context; block] would.
+
+    Args:
+      q: [S, A·n, N, H] block queries; k, v: [S, A·n, K, H] block keys and values.
+      ctx_k, ctx_v: [S, T, K, H] the context of each sequence, computed once.
+      ctx_mask: bool [S, A·n, T], True where a query may read a context position.
+      A: blocks per sequence.
+
+    Returns:
+      [S, A·n, N, H].
+    """
+    S, Q, N, H = q.shape
+    K, n = k.shape[2], Q // A
+    G = N // K
+    scale = 1.0 / jnp.sqrt(jnp.float32(H))
+    qg = q.reshape(S, Q, K, G, H)
+    sc = jnp.einsum("SQKGH,STKH->SKGQT", qg, ctx_k, preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(ctx_mask[:, None, None], sc, -jnp.inf)
+    qb, kb, vb = qg.reshape(S, A, n, K, G, H), k.reshape(S, A, n, K, H), v.reshape(S, A, n, K, H)
+    sb = jnp.einsum("SAQKGH,SAPKH->SKGAQP", qb, kb, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([sc, sb.reshape(S, K, G, Q, n)], -1), axis=-1)
+    pc, pb = probs[..., : ctx_k.shape[1]], probs[..., ctx_k.shape[1] :].reshape(S, K, G, A, n, n)
+    out = jnp.einsum("SKGQT,STKH->SQKGH", pc.astype(ctx_v.dtype), ctx_v)
+    out = out + jnp.einsum("SKGAQP,SAPKH->SAQKGH", pb.astype(vb.dtype), vb).reshape(S, Q, K, G, H)
+    return out.reshape(S, Q, N, H)
+
+
+def packed_block_hidden(model: DrafterModel, head: TargetHead, tokens, feats, anchors):
+    """dspark/dflash block hidden states of every anchor, one packed pass per sequence.
+
+    tokens [S, T], target features feats [S, T, m·D], anchors [S, A] → h [S·A, L, D] (row s·A + a), equal to
+    `model.block_hidden` over `context_cache` (the per-anchor layout) up to float reassociation.
+    """
     cfg = model.cfg
+    S, T = tokens.shape
+    A = anchors.shape[1]
+    L = cfg.block_size
+    n_in = L if anchor_slot_predicts(cfg) else L + 1
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    h_ctx = model.project_features(feats)  # [S, T, D], eq. 2
+    ctx_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (S, T))
+    mask_vec = model.mask_embed[...]
+    emb = jnp.take(head.embed, jnp.take_along_axis(tokens, anchors, axis=1), axis=0).astype(mask_vec.dtype)
+    x = jnp.concatenate([emb[:, :, None], jnp.broadcast_to(mask_vec, (S, A, n_in - 1, mask_vec.shape[-1]))], 2)
+    x = x.reshape(S, A * n_in, -1)
+    pos = (anchors[:, :, None] + jnp.arange(n_in, dtype=jnp.int32)).reshape(S, A * n_in)
+    ctx_mask = jnp.arange(T)[None, None, :] < jnp.repeat(anchors, n_in, axis=1)[:, :, None]  # [S, A·n_in, T]
+    for layer in model.layers:
+        ck, cv = layer.context_kv(h_ctx, ctx_pos, inv_freq)  # [S, T, K, H] (eq. 3), once per sequence
+        q, k, v = layer.attn.qkv(layer.attn_norm(x))
+        q, k = apply_rope(q, pos, inv_freq), apply_rope(k, pos, inv_freq)
+        x = x + layer.attn.out(packed_attention(q, k, v, ck.astype(k.dtype), cv.astype(v.dtype), ctx_mask, A))
+        x = x + layer.mlp(layer.mlp_norm(x))
+    h = model.final_norm(x).reshape(S * A, n_in, -1)
+    return h if anchor_slot_predicts(cfg) else h[:, 1:]
+
+
+def _dspark_logits(model: DrafterModel, head, cache, anchors, prev):
+    """Teacher-forced DSpark over a per-anchor cache: (logits U_k + B_k [B, L, V], confidence logits [B, L])."""
     h = model.block_hidden(head, cache, prev[:, 0], anchors)  # anchor token x*_n at position n → [B, L, D]
-    U = head.logits(h)
+    return _dspark_logits_from_hidden(model, head, h, prev)
+
+
+def _dspark_logits_from_hidden(model: DrafterModel, head, h, prev):
+    """Block hidden states h [B, L, D] and teacher-forced previous tokens prev [B, L] → (U_k + B_k [B, L, V],
+    confidence logits [B, L] or None)."""
+    cfg = model.cfg
+    U = draft_vocab.head_logits(head, h, cfg)  # [B, L, Vd]
     if cfg.head == "none":
         return U, None
 
@@ -101,7 +191,7 @@ def _dspark_logits(model: DrafterModel, head, cache, anchors, prev):
         conf = model.confidence_logit(h_k, e) if cfg.confidence else jnp.zeros(prev_k.shape, jnp.float32)
         return state, (bias, conf)
 
-    state0 = jnp.zeros((anchors.shape[0], cfg.markov_rank), model.markov_w1[...].dtype)
+    state0 = jnp.zeros((prev.shape[0], cfg.markov_rank), model.markov_w1[...].dtype)
     _, (bias, conf) = jax.lax.scan(body, state0, (prev.T, h.swapaxes(0, 1)))
     return U + bias.swapaxes(0, 1), (conf.T if cfg.confidence else None)
 
@@ -121,7 +211,7 @@ def _eagle_logits(model: DrafterModel, head, cache, prev):
         ek = jax.lax.dynamic_update_index_in_dim(ek, kk.astype(dtype), k, 2)
         ev = jax.lax.dynamic_update_index_in_dim(ev, vv.astype(dtype), k, 2)
         emask = emask.at[:, k].set(True)
-        return (out.astype(feat.dtype), ek, ev, emask), head.logits(h)
+        return (out.astype(feat.dtype), ek, ev, emask), draft_vocab.head_logits(head, h, cfg)
 
     init = (cache.last_feature, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((B, L), bool))
     _, logits = jax.lax.scan(body, init, (jnp.arange(L), prev.T))
@@ -129,7 +219,7 @@ def _eagle_logits(model: DrafterModel, head, cache, prev):
 
 
 def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors, target_hidden, feats,
-                 weights: LossWeights):
+                 weights: LossWeights, packed: bool = True, target_lse=None):
     """Training loss of one batch (eq. 12).
 
     Args:
@@ -140,6 +230,13 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
         target_hidden: the target's final-normed hidden states [S, T, D]; feats: hidden states of
             `target_layers` [S, T, m·D] (one frozen forward).
         weights: α_ce, α_tv, α_conf.
+        packed: dspark/dflash blocks through `packed_block_hidden` (default) or the per-anchor reference.
+        target_lse: optional [S, T] full-vocabulary log-normaliser of the target per position (features);
+            used by a reduced draft vocabulary only.
+
+    With a reduced draft vocabulary (dspark_jax/draft_vocab.py) p_d is zero outside the subset, so
+    ‖p_d − p_t‖₁ = Σ_subset |p_d − p_t| + (target mass outside the subset): c* stays the exact acceptance
+    probability; L_ce skips slots whose ground-truth token is outside the subset (its log-probability is −∞).
 
     Returns:
         (loss scalar, metrics: loss, ce, tv, conf, top1 (draft argmax = x*), and acceptance [L] = mean c*_k,
@@ -149,25 +246,33 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
     L = cfg.block_size
     anchors = anchors[:, None] if anchors.ndim == 1 else anchors
     A = anchors.shape[1]
-    cache = context_cache(model, head, tokens, feats, anchors)
     rep = lambda x: jnp.repeat(x, A, axis=0)  # noqa: E731
-    anchors = anchors.reshape(-1)
-    truth, prev, p_t, valid = block_targets(rep(tokens), rep(lengths), anchors, rep(target_hidden), head, L)
+    flat = anchors.reshape(-1)
+    lse = None if target_lse is None else rep(target_lse)
+    truth, prev, p_t, valid = block_targets(rep(tokens), rep(lengths), flat, rep(target_hidden), head, L, cfg, lse)
     conf_logit = None
     if cfg.kind == "eagle3":
-        logits = _eagle_logits(model, head, cache, prev)
+        logits = _eagle_logits(model, head, context_cache(model, head, tokens, feats, anchors), prev)
+    elif packed:
+        h = packed_block_hidden(model, head, tokens, feats, anchors)
+        logits, conf_logit = _dspark_logits_from_hidden(model, head, h, prev)
     else:
-        logits, conf_logit = _dspark_logits(model, head, cache, anchors, prev)
+        logits, conf_logit = _dspark_logits(model, head, context_cache(model, head, tokens, feats, anchors), flat,
+                                            prev)
 
-    logp_d = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, L, V]
+    logp_d = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, L, Vd]
     p_d = jnp.exp(logp_d)
-    ce = -jnp.take_along_axis(logp_d, truth[..., None], axis=-1)[..., 0]  # [B, L]
+    truth_d = draft_vocab.markov_rows(truth, cfg)  # subset index (= truth without a reduced vocabulary)
+    in_vocab = truth_d < logp_d.shape[-1]  # [B, L]
+    ce = -jnp.take_along_axis(logp_d, jnp.minimum(truth_d, logp_d.shape[-1] - 1)[..., None], axis=-1)[..., 0]
     tv = jnp.abs(p_d - p_t).sum(-1)  # [B, L], ∈ [0, 2]
+    if draft_vocab.is_reduced(cfg):  # the target's mass outside the subset, where p_d = 0
+        tv = tv + jnp.maximum(1.0 - p_t.sum(-1), 0.0)
     c_star = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * tv, 0.0, 1.0))
 
     w = position_weights(L)[None] * valid  # [B, L]
-    wmean = lambda x: (w * x).sum() / jnp.maximum(w.sum(), 1e-6)  # noqa: E731
-    loss_ce, loss_tv = wmean(ce), wmean(tv)
+    wmean = lambda x, m=w: (m * x).sum() / jnp.maximum(m.sum(), 1e-6)  # noqa: E731
+    loss_ce, loss_tv = wmean(jnp.where(in_vocab, ce, 0.0), w * in_vocab), wmean(tv)
     loss = weights.ce * loss_ce + weights.tv * loss_tv
     metrics = {"ce": loss_ce, "tv": loss_tv}
     if conf_logit is not None:
@@ -175,5 +280,6 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
         loss = loss + weights.conf * loss_conf
         metrics["conf"] = loss_conf
     vmean = lambda x: (valid * x).sum(0) / jnp.maximum(valid.sum(0), 1)  # noqa: E731  per position [L]
-    metrics.update(loss=loss, top1=vmean(jnp.argmax(logp_d, -1) == truth).mean(), acceptance=vmean(c_star))
+    top1 = draft_vocab.to_target(jnp.argmax(logp_d, -1), cfg) == truth
+    metrics.update(loss=loss, top1=vmean(top1).mean(), acceptance=vmean(c_star))
     return loss, metrics

@@ -1,0 +1,130 @@
+"""Many anchors per sequence over one shared context (train/losses.py's packed block pass, the paper's
+anchor-bounded packing): against the per-anchor reference layout, per-anchor losses, and the attention mask.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_hf_model, target_from_hf
+
+import dspark_jax
+from dspark_jax.drafter_model import TargetHead
+from train.losses import LossWeights, context_cache, drafter_loss, packed_block_hidden
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return target_from_hf(make_hf_model("llama", tied=True), tmp_path_factory.mktemp("llama"))
+
+
+def _batch(target, S=3, T=40, A=6, L=4, seed=0, full_blocks=False):
+    """Random sequences, their target features, and anchors (all L slots inside the sequence if full_blocks)."""
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(3, 128, size=(S, T)), jnp.int32)
+    lengths = jnp.asarray(rng.integers(T // 2, T + 1, size=S), jnp.int32)
+    hi = lengths - (L + 1 if full_blocks else 1)
+    anchors = jnp.asarray(np.stack([rng.integers(1, int(h), size=A) for h in hi]), jnp.int32)
+    return tokens, lengths, anchors
+
+
+def _feats(target, tokens, layers):
+    h, _, feats = target.forward(tokens, target.init_cache(*tokens.shape), hidden_layers=layers,
+                                 compute_logits=False)
+    return h, feats
+
+
+def _drafter(target, kind, L=4):
+    extra = dict(markov_rank=8) if kind == "dspark" else {}
+    d = dspark_jax.init_drafter(target, kind=kind, block_size=L, num_layers=2, seed=1, **extra)
+    # Perturb every parameter (W2 and the confidence head start at zero) so nothing is trivially equal.
+    leaves, tree = jax.tree.flatten(d.params)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    return d.with_params(jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+                                                   for x, k in zip(leaves, keys, strict=True)]))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_packed_blocks_equal_the_per_anchor_layout(tiny, kind):
+    d = _drafter(tiny, kind)
+    model, head = d.module(), TargetHead.from_params(tiny.params, True)
+    tokens, lengths, anchors = _batch(tiny)
+    _, feats = _feats(tiny, tokens, d.config.target_layers)
+    packed = packed_block_hidden(model, head, tokens, feats, anchors)
+    cache = context_cache(model, head, tokens, feats, anchors)
+    flat = anchors.reshape(-1)
+    ref = model.block_hidden(head, cache, jnp.take_along_axis(tokens, anchors, 1).reshape(-1), flat)
+    np.testing.assert_allclose(np.asarray(packed), np.asarray(ref), atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_packed_loss_and_gradients_equal_the_reference(tiny, kind):
+    d = _drafter(tiny, kind)
+    head = TargetHead.from_params(tiny.params, True)
+    tokens, lengths, anchors = _batch(tiny, seed=1)
+    hidden, feats = _feats(tiny, tokens, d.config.target_layers)
+    w = LossWeights.for_kind(kind) if kind != "dflash" else LossWeights(ce=0.5, tv=0.5, conf=0.0)
+
+    def loss(params, packed):
+        from flax import nnx
+
+        return drafter_loss(nnx.merge(d.graphdef, params), head, tokens, lengths, anchors, hidden, feats, w,
+                            packed=packed)
+
+    (lp, mp), gp = jax.value_and_grad(loss, has_aux=True)(d.params, True)
+    (lr, mr), gr = jax.value_and_grad(loss, has_aux=True)(d.params, False)
+    np.testing.assert_allclose(float(lp), float(lr), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(mp["acceptance"]), np.asarray(mr["acceptance"]), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gr), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+
+
+def test_loss_of_many_anchors_is_the_mean_of_single_anchor_losses(tiny):
+    """With every block slot valid, each anchor carries the same total weight, so the A-anchor loss is the
+    mean of the A one-anchor losses computed separately."""
+    d = _drafter(tiny, "dspark")
+    model, head = d.module(), TargetHead.from_params(tiny.params, True)
+    tokens, lengths, anchors = _batch(tiny, S=2, A=5, seed=2, full_blocks=True)
+    hidden, feats = _feats(tiny, tokens, d.config.target_layers)
+    w = LossWeights()
+    together, _ = drafter_loss(model, head, tokens, lengths, anchors, hidden, feats, w)
+    singles = [drafter_loss(model, head, tokens[s : s + 1], lengths[s : s + 1], anchors[s : s + 1, a : a + 1],
+                            hidden[s : s + 1], feats[s : s + 1], w)[0]
+               for s in range(anchors.shape[0]) for a in range(anchors.shape[1])]
+    np.testing.assert_allclose(float(together), float(np.mean(singles)), rtol=1e-5)
+
+
+def test_a_block_sees_only_its_prefix_and_its_own_block(tiny):
+    """Changing the context at or after anchor n, or another anchor's block, leaves anchor n's block unchanged."""
+    d = _drafter(tiny, "dspark")
+    model, head = d.module(), TargetHead.from_params(tiny.params, True)
+    tokens, _, _ = _batch(tiny, S=1, T=40)
+    anchors = jnp.array([[10, 25, 30]], jnp.int32)
+    _, feats = _feats(tiny, tokens, d.config.target_layers)
+    base = packed_block_hidden(model, head, tokens, feats, anchors)
+    noisy = feats.at[:, 10:].add(jax.random.normal(jax.random.key(0), feats[:, 10:].shape))
+    after = packed_block_hidden(model, head, tokens, noisy, anchors)
+    np.testing.assert_allclose(np.asarray(after[0]), np.asarray(base[0]), atol=1e-6)  # anchor 10: positions < 10
+    assert not np.allclose(np.asarray(after[1]), np.asarray(base[1]), atol=1e-3)  # anchor 25 reads 10..24
+    moved = packed_block_hidden(model, head, tokens, feats, jnp.array([[10, 20, 35]], jnp.int32))
+    np.testing.assert_allclose(np.asarray(moved[0]), np.asarray(base[0]), atol=1e-6)
+
+
+def test_many_anchors_fit_in_memory_without_repeating_the_context(tiny):
+    """512 anchors per sequence (DeepSpec's packing) compile to a step whose temporaries stay small: no [S·A, T]
+    context copy (here: under 64 MB at T=128, where the per-anchor layout would need the context 512 times)."""
+    d = _drafter(tiny, "dspark")
+    head = TargetHead.from_params(tiny.params, True)
+    S, T, A = 2, 128, 512
+    tokens = jnp.zeros((S, T), jnp.int32)
+    feats = jnp.zeros((S, T, len(d.config.target_layers) * tiny.config.hidden_size))
+    anchors = jnp.broadcast_to(jnp.arange(1, T - 1).repeat(5)[:A], (S, A)).astype(jnp.int32)
+    fn = jax.jit(lambda p: packed_block_hidden(__import__("flax").nnx.merge(d.graphdef, p), head, tokens, feats,
+                                               anchors))
+    mem = fn.lower(d.params).compile().memory_analysis()
+    if mem is None:
+        pytest.skip("no memory analysis on this backend")
+    assert mem.temp_size_in_bytes < 64 * 2**20, mem.temp_size_in_bytes
+    assert fn(d.params).shape == (S * A, 4, tiny.config.hidden_size)
