@@ -5,6 +5,12 @@
   dflash  — the same backbone without sequential or confidence head: anchor + L masks, predicting the masks.
   eagle3  — a one-layer autoregressive drafter over fused low/mid/high target features (training-time test).
 
+DeepSpec's released checkpoints (dspark_jax/deepspec.py) differ from this project's own drafters in a few
+places, each one field here whose default keeps our behaviour: the mask vector is a token's embedding
+(`mask_token_id`), DFlash's anchor slot makes the first prediction (`anchor_predicts`), the confidence head may
+read h_k alone (`confidence_with_markov`), the Markov head may be gated (`head="gated"`), the RNN head has a
+bias (`rnn_bias`), and EAGLE-3's layer attends over [norm(embedding); norm(feature)] (`eagle_layer="concat"`).
+
 All three read the same target layers (`target_layers`) and borrow the target's frozen embedding and LM head.
 `target_fingerprint` records which target a drafter was built for, so loading against another is an error.
 """
@@ -16,7 +22,8 @@ import dataclasses
 from dspark_jax.config import ModelConfig, RopeConfig
 
 KINDS = ("dspark", "dflash", "eagle3")
-HEADS = ("markov", "rnn", "none")
+HEADS = ("markov", "gated", "rnn", "none")
+EAGLE_LAYERS = ("fused", "concat")
 
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
@@ -55,6 +62,17 @@ class DrafterConfig:
     # Reduced draft vocabulary (dspark_jax/draft_vocab.py): the sorted target ids the draft head scores; () = all.
     draft_vocab: tuple[int, ...] = ()
     target_fingerprint: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    # DeepSpec semantics (see the module docstring); the defaults are this project's own drafters.
+    mask_token_id: int | None = None  # the mask vector `mask_embed` holds this token's embedding; None: learned
+    anchor_predicts: bool = False  # dflash: anchor + L−1 masks, the anchor slot predicting x_{n+1} (as dspark)
+    confidence_with_markov: bool = True  # confidence reads [h_k; W1[x_{k−1}]]; False: h_k alone
+    rnn_bias: bool = False  # the RNN head's joint projection has a bias
+    eagle_layer: str = "fused"  # eagle3: fused = fc([norm e; f]) into a standard layer; concat = EAGLE-3's own
+
+    @property
+    def anchor_slot_predicts(self) -> bool:
+        """Block layout: anchor + L−1 masks read at all L slots (True), or anchor + L masks read at the masks."""
+        return self.kind == "dspark" or self.anchor_predicts
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -65,8 +83,20 @@ class DrafterConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kind != "dspark" and (self.head != "none" or self.confidence):
             raise ValueError(f"{self.kind} has no sequential or confidence head (head='none', confidence=False)")
-        if self.confidence and self.head == "none":
-            raise ValueError("the confidence head reads the Markov embedding W1[x_{k-1}]: it needs head markov|rnn")
+        if self.confidence and self.confidence_with_markov and self.head == "none":
+            raise ValueError("the confidence head reads the Markov embedding W1[x_{k-1}]: it needs head "
+                             "markov|gated|rnn (or confidence_with_markov=False)")
+        if self.anchor_predicts and self.kind != "dflash":
+            raise ValueError(f"anchor_predicts is a dflash layout switch (dspark always predicts from the anchor "
+                             f"slot), got kind={self.kind!r}")
+        if self.eagle_layer not in EAGLE_LAYERS:
+            raise ValueError(f"unknown eagle_layer {self.eagle_layer!r}; choose one of {', '.join(EAGLE_LAYERS)}")
+        if self.eagle_layer != "fused" and self.kind != "eagle3":
+            raise ValueError(f"eagle_layer={self.eagle_layer!r} applies to eagle3 only, got kind={self.kind!r}")
+        if self.rnn_bias and self.head != "rnn":
+            raise ValueError(f"rnn_bias needs head='rnn', got head={self.head!r}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} out of range for vocab_size {self.vocab_size}")
         if self.kind == "eagle3" and self.num_layers != 1:
             raise ValueError(f"the EAGLE-3 drafter has exactly one layer, got num_layers={self.num_layers}")
         if not self.target_layers:
