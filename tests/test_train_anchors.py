@@ -128,3 +128,32 @@ def test_many_anchors_fit_in_memory_without_repeating_the_context(tiny):
         pytest.skip("no memory analysis on this backend")
     assert mem.temp_size_in_bytes < 64 * 2**20, mem.temp_size_in_bytes
     assert fn(d.params).shape == (S * A, 4, tiny.config.hidden_size)
+
+
+def test_anchors_are_distinct_and_dummies_are_masked(tiny):
+    """window_and_anchors draws distinct anchors (DeepSpec's sampler); a short window pads with masked dummies,
+    which change nothing in the loss."""
+    from train.data import window_and_anchors
+
+    rng = np.random.default_rng(0)
+    rec = {"tokens": np.arange(1, 101, dtype=np.int32), "prompt_len": 20}
+    ex = window_and_anchors(rec, rng, 64, 16)
+    assert ex["anchor_mask"].all() and len(set(ex["anchors"].tolist())) == 16
+    short = window_and_anchors({"tokens": np.arange(1, 13, dtype=np.int32), "prompt_len": 5}, rng, 64, 16)
+    n_real = int(short["anchor_mask"].sum())
+    assert n_real == 7 and sorted(short["anchors"][:n_real].tolist()) == list(range(4, 11))  # 4 = prompt_len − 1
+
+    d = _drafter(tiny, "dspark")
+    model, head = d.module(), TargetHead.from_params(tiny.params, True)
+    tokens, lengths, anchors = _batch(tiny, S=2, A=4, seed=5)
+    hidden, feats = _feats(tiny, tokens, d.config.target_layers)
+    mask = jnp.array([[True, True, False, False], [True, False, False, False]])
+    dummy = jnp.where(mask, anchors, anchors[:, :1])
+    w = LossWeights()
+    masked, _ = drafter_loss(model, head, tokens, lengths, dummy, hidden, feats, w, anchor_mask=mask)
+    # Equal to the loss over the three real anchors alone, each as its own one-anchor sequence.
+    ref, _ = drafter_loss(model, head, jnp.stack([tokens[0], tokens[0], tokens[1]]),
+                          jnp.stack([lengths[0], lengths[0], lengths[1]]),
+                          jnp.array([[anchors[0, 0]], [anchors[0, 1]], [anchors[1, 0]]]),
+                          jnp.stack([hidden[0], hidden[0], hidden[1]]), jnp.stack([feats[0], feats[0], feats[1]]), w)
+    np.testing.assert_allclose(float(masked), float(ref), rtol=1e-5)

@@ -3,11 +3,13 @@
 Per sequence (a random-access record, see train/prepare.py), one seeded random transform:
   window   — a random crop of at most T tokens (T = seq_len) that keeps at least one response token, padded
              to T; `lengths` counts the real tokens;
-  anchors  — A positions n drawn uniformly from the response part of the window, n ∈ [max(1, prompt_len − 1),
-             length − 2], so every anchor has ≥ 1 ground-truth token after it. The L-token block of anchor n is
+  anchors  — A distinct positions n drawn uniformly from the response part of the window, n ∈
+             [max(1, prompt_len − 1), length − 2], so every anchor has ≥ 1 ground-truth token after it (fewer
+             candidates than A: the rest are masked dummies, `anchor_mask`). The L-token block of anchor n is
              tokens n+1..n+L; its target features (hidden states, p_t) come from one frozen target forward over
              the window inside the train step, shared by all A anchors of the sequence.
-Then `batch` stacks S sequences: {"tokens" int32 [S, T], "lengths" int32 [S], "anchors" int32 [S, A]}.
+Then `batch` stacks S sequences: {"tokens" int32 [S, T], "lengths" int32 [S], "anchors" int32 [S, A],
+"anchor_mask" bool [S, A]}.
 Multi-host: each process reads `dataset[process_index::process_count]`. The iterator's state (epoch, position)
 is a small dict saved with the checkpoint (grain.checkpoint.CheckpointSave), so a resumed run sees the same
 batches in the same order.
@@ -46,10 +48,15 @@ def window_and_anchors(rec: dict, rng: np.random.Generator, seq_len: int, num_an
     length = len(win)
     first = max(1, p - 1 - start)
     first = min(first, length - 2)
-    anchors = rng.integers(first, length - 1, size=num_anchors)
+    # Distinct anchors, as DeepSpec's anchor-bounded packing samples them (without replacement, sorted); when
+    # the window has fewer candidates than A, the rest repeat the first and `anchor_mask` switches them off.
+    n_cand = length - 1 - first
+    picked = np.sort(rng.choice(n_cand, size=min(num_anchors, n_cand), replace=False)) + first
+    anchors = np.concatenate([picked, np.full(num_anchors - len(picked), picked[0])])
+    anchor_mask = np.arange(num_anchors) < len(picked)
     out = np.zeros(seq_len, np.int32)
     out[:length] = win
-    ex = {"tokens": out, "lengths": np.int32(length), "anchors": anchors.astype(np.int32)}
+    ex = {"tokens": out, "lengths": np.int32(length), "anchors": anchors.astype(np.int32), "anchor_mask": anchor_mask}
     for name in ("feats", "hidden", "lse"):
         if name in rec:
             x = np.zeros((seq_len,) + rec[name].shape[1:], np.float32)

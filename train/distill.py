@@ -70,7 +70,7 @@ def _loss(dparams, tparams, batch, *, dgraph, tgraph, tied, weights):
     hidden, feats = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(feats)
     head = TargetHead.from_params(tparams, tied)
     return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], hidden, feats, weights,
-                        target_lse=batch.get("lse"))
+                        target_lse=batch.get("lse"), anchor_mask=batch.get("anchor_mask"))
 
 
 def make_loss_fn(target, drafter: Drafter, weights: LossWeights | None = None):

@@ -219,7 +219,7 @@ def _eagle_logits(model: DrafterModel, head, cache, prev):
 
 
 def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors, target_hidden, feats,
-                 weights: LossWeights, packed: bool = True, target_lse=None):
+                 weights: LossWeights, packed: bool = True, target_lse=None, anchor_mask=None):
     """Training loss of one batch (eq. 12).
 
     Args:
@@ -233,6 +233,8 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
         packed: dspark/dflash blocks through `packed_block_hidden` (default) or the per-anchor reference.
         target_lse: optional [S, T] full-vocabulary log-normaliser of the target per position (features);
             used by a reduced draft vocabulary only.
+        anchor_mask: optional bool [S, A]; False marks a dummy anchor (a window with fewer candidates than A),
+            whose slots count nowhere.
 
     With a reduced draft vocabulary (dspark_jax/draft_vocab.py) p_d is zero outside the subset, so
     ‖p_d − p_t‖₁ = Σ_subset |p_d − p_t| + (target mass outside the subset): c* stays the exact acceptance
@@ -250,6 +252,8 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
     flat = anchors.reshape(-1)
     lse = None if target_lse is None else rep(target_lse)
     truth, prev, p_t, valid = block_targets(rep(tokens), rep(lengths), flat, rep(target_hidden), head, L, cfg, lse)
+    if anchor_mask is not None:
+        valid = valid & anchor_mask.reshape(-1, 1)
     conf_logit = None
     if cfg.kind == "eagle3":
         logits = _eagle_logits(model, head, context_cache(model, head, tokens, feats, anchors), prev)
