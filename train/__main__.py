@@ -5,6 +5,7 @@
   fit        distil a drafter from a YAML config (configs/*.yaml) with --set overrides; resumes from its out_dir
   calibrate  sequential temperature scaling of a DSpark drafter's confidence head on held-out data
   eval       τ per domain and position-wise conditional acceptance (paper Fig. 2) for a set of drafters
+  launch     run `fit` as N processes of one multi-process JAX runtime (one global mesh; see train/launch.py)
 """
 
 from __future__ import annotations
@@ -43,7 +44,22 @@ def _fit(args) -> None:
     from train.fit import fit
 
     cfg = load_config(args.config, args.set or [])
-    fit(cfg, export=args.export)
+    dist = (args.coordinator, args.num_processes, args.process_id)
+    if any(x is not None for x in dist):
+        if any(x is None for x in dist):
+            raise ValueError("--coordinator, --num-processes and --process-id go together")
+        from train.launch import initialize
+
+        initialize(*dist)
+    fit(cfg, export=args.export, stop_after=args.stop_after)
+
+
+def _launch(args) -> int:
+    from train.launch import launch
+
+    rest = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    return launch(rest, num_processes=args.num_processes, process_ids=args.process_ids,
+                  coordinator=args.coordinator, cpu_devices=args.cpu_devices)
 
 
 def _calibrate(args) -> None:
@@ -102,7 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--config", default=None, help="YAML config (configs/*.yaml); defaults otherwise")
     f.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. optim.steps=10")
     f.add_argument("--export", default=None, help="also save the final drafter (bf16) to this directory")
+    f.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop after this step without a final checkpoint, as a preempted run would (tests)")
+    f.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process run: process 0's address (with --num-processes, --process-id; "
+                        "`python -m train launch` sets all three)")
+    f.add_argument("--num-processes", type=int, default=None, help="multi-process run: number of processes")
+    f.add_argument("--process-id", type=int, default=None, help="multi-process run: this process's index")
     f.set_defaults(func=_fit)
+
+    la = sub.add_parser("launch", help="run fit as N processes of one JAX runtime (train/launch.py)",
+                        description="Starts processes of an N-process `fit` on this machine: "
+                                    "python -m train launch --num-processes 2 --cpu-devices 4 -- fit --config ...")
+    la.add_argument("--num-processes", type=int, required=True, help="processes in the whole run (all hosts)")
+    la.add_argument("--process-ids", type=int, nargs="+", default=None,
+                    help="the processes to start on this machine (default: all; a pod host passes its index)")
+    la.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                    help="process 0's address, reachable from every host (default: a free local port)")
+    la.add_argument("--cpu-devices", type=int, default=None,
+                    help="run on the CPU with this many simulated devices per process")
+    la.add_argument("train_args", nargs=argparse.REMAINDER, help="-- fit [fit arguments]")
+    la.set_defaults(func=_launch)
 
     c = sub.add_parser("calibrate", help="sequential temperature scaling of the confidence head")
     c.add_argument("--drafter", required=True, help="drafter directory or name; calibrated in place unless --out")
@@ -132,11 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":
