@@ -78,3 +78,87 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+# ---- tiny targets and drafters that accept (shared by the speculative-decoding tests) ---------------------------
+def spec_prompts(vocab: int = 128) -> list[list[int]]:
+    """The four ragged prompts of the tiny speculative-decoding tests (lengths 5, 17, 2, 9)."""
+    return [list(map(int, np.random.default_rng(i).integers(3, vocab, size=n))) for i, n in enumerate([5, 17, 2, 9])]
+
+
+REFERENCE_PROMPTS = [[5, 17, 3, 99, 42], [7, 7, 120, 8, 30, 61, 2, 90, 15], [64, 11]]
+# A short distillation: one layer, one block size (7; the weights serve any L), the target's greedy outputs.
+DISTILL_SHAPES = {"dspark": dict(num_layers=1, markov_rank=16), "dflash": dict(num_layers=1), "eagle3": {}}
+DISTILL_STEPS, DISTILL_BATCH, DISTILL_LR = 60, 16, 1e-2
+
+
+def distill_tiny_drafter(target, kind: str, sequences, prompt_lengths):
+    """A drafter of `kind` trained briefly on `sequences` (prompt + the target's greedy continuation)."""
+    import dspark_jax
+    from train.distill import train_drafter
+
+    d0 = dspark_jax.init_drafter(target, kind=kind, block_size=7, seed=0, **DISTILL_SHAPES[kind])
+    return train_drafter(target, d0, sequences, steps=DISTILL_STEPS, batch_size=DISTILL_BATCH, seed=0,
+                         lr=DISTILL_LR, prompt_lengths=prompt_lengths, progress=False)
+
+
+def greedy_training_data(target, max_new_tokens: int = 40):
+    """Training sequences for `distill_tiny_drafter`: the test prompts (so the tests' own trajectories are in the
+    data and drafts get accepted there) plus 48 random ones, each with the target's greedy continuation."""
+    import dspark_jax
+
+    prompts = spec_prompts() + REFERENCE_PROMPTS
+    prompts += [list(map(int, np.random.default_rng(100 + i).integers(3, 128, size=3 + i % 7))) for i in range(48)]
+    res = dspark_jax.generate(target, prompts, max_new_tokens=max_new_tokens, ignore_eos=True)
+    return [p + r for p, r in zip(prompts, res.tokens, strict=True)], [len(p) for p in prompts]
+
+
+class _Lazy(dict):
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        self[key] = value = self._make(key)
+        return value
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_targets(tmp_path_factory):
+    """{"llama" (tied), "qwen3" (untied)} → (the tiny transformers model, its Target), built on first use."""
+
+    def make(model_type):
+        hf = make_hf_model(model_type, tied=model_type == "llama")
+        return hf, target_from_hf(hf, tmp_path_factory.mktemp(f"tiny-{model_type}"))
+
+    return _Lazy(make)
+
+
+@pytest.fixture(scope="session")
+def distilled_drafter(tiny_hf_targets):
+    """distilled_drafter(model_type, kind, block_size=7): a drafter trained (once per session) on the tiny
+    target's greedy outputs, so greedy speculative tests really accept drafts (random drafters almost never do,
+    and with only rejections greedy equality holds trivially)."""
+    data = _Lazy(lambda mt: greedy_training_data(tiny_hf_targets[mt][1]))
+    trained = _Lazy(lambda key: distill_tiny_drafter(tiny_hf_targets[key[0]][1], key[1], *data[key[0]]))
+
+    def get(model_type: str, kind: str, block_size: int = 7):
+        d = trained[model_type, kind]
+        return d if block_size == 7 else d.with_config(block_size=block_size)
+
+    return get
+
+
+def save_word_tokenizer(directory, vocab_size: int = 128) -> None:
+    """Saves an offline word-level tokenizer ("t0".."t{V-1}" ↔ ids, split on spaces) with a chat template that
+    joins message contents, so that a tiny model directory loads through `load_target` and `chat_ids` works:
+    chat_ids("t5 t6") == [5, 6]. eos = "t2", bos = "t1", pad/unk = "t0" (the TINY config's ids)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0",
+                                                bos_token="t1", eos_token="t2")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(str(directory))
