@@ -27,7 +27,6 @@ from dspark_jax.drafter_model import TargetHead
 from dspark_jax.spec_decode import Policy, drafter_prefill, spec_step
 
 
-
 def spec_rounds_against_reference(hf, target, drafter, prompts, rounds: int, atol: float = 1e-4) -> dict:
     """Runs `rounds` greedy speculative rounds; before each, checks every row's draft distributions (as log q,
     which keeps small probabilities visible) and confidences against the naive drafter.
