@@ -8,7 +8,8 @@ and queue (/metrics) are sampled, and every request's latency is kept.
 
 Verdicts (exit 1 if any fails): RSS flat (median of the last window within --rss-tolerance of the first), no
 page leaked (free == total after the drain), p99 latency of the last window within --p99-tolerance of the first
-(windows: 5 minutes, or a third of a shorter run), no response >= 500, no mismatched greedy output, /health 200
+(windows: 5 minutes, or a third of a shorter run; at least 20 complete requests in each, else the verdict is
+inconclusive and fails), no response >= 500, no mismatched greedy output, /health 200
 and the server alive at the end. Writes reports/serve/soak-<time>.json and a latency/RSS/pages-over-time PNG.
 
     python scripts/soak.py --minutes 30                            # starts python -m dspark_jax.serve
@@ -35,6 +36,7 @@ from load_test import PROMPTS, loopback_url, percentile, request_body  # noqa: E
 
 MIX = {"stream": 30, "cancel": 15, "n": 15, "chat_logprobs": 15, "malformed": 20, "oversized": 5}
 WINDOW_S = 300.0
+MIN_LATENCY_SAMPLES = 20  # per window; fewer make p99 noise (then the verdict is "inconclusive", not a pass)
 SERVER_ARGS = ["--max-batch", "4", "--max-model-len", "256", "--max-body-bytes", str(1 << 20),
                "--log-level", "warning"]
 
@@ -193,7 +195,10 @@ def verdicts(soak: Soak, duration: float, drained: dict, health: int, alive: boo
     p99_first, p99_last = percentile(first, 0.99), percentile(last, 0.99)
     out = {"window_s": round(w, 1),
            "p99_first_s": p99_first, "p99_last_s": p99_last, "latency_samples": [len(first), len(last)],
-           "p99_ok": bool(first and last and p99_last <= (1 + args.p99_tolerance) * p99_first)}
+           "p99_ok": bool(min(len(first), len(last)) >= MIN_LATENCY_SAMPLES
+                          and p99_last <= (1 + args.p99_tolerance) * p99_first)}
+    if min(len(first), len(last)) < MIN_LATENCY_SAMPLES:
+        out["p99_inconclusive"] = f"fewer than {MIN_LATENCY_SAMPLES} complete requests in a window"
     if rss_first and rss_last:
         a, b = statistics.median(rss_first), statistics.median(rss_last)
         out.update(rss_first_mb=a, rss_last_mb=b, rss_max_mb=max(s["rss_mb"] for s in soak.samples if s["rss_mb"]),
@@ -226,7 +231,7 @@ def plot(soak: Soak, path: str) -> None:
         b = min(60.0, max(5.0, end / 20))
         xs = [(k + 0.5) * b for k in range(int(end // b) + 1)]
         ys = [percentile([lat for t, lat in ok if k * b <= t < (k + 1) * b], 0.99) for k in range(len(xs))]
-        ax1.plot(xs, ys, "k-", lw=2, label=f"p99 per {b:g} s (complete requests)")
+        ax1.plot(xs, ys, "k-", lw=2, label=f"p99 per {b:.0f} s (complete requests)")
     ax1.set_ylabel("latency (s)")
     ax1.legend(fontsize=7, ncol=4)
     ts = [s["t"] for s in soak.samples]
@@ -284,7 +289,7 @@ async def run(args, base_url: str, pid: int | None) -> int:
                                                                       kinds.items()}),
             ("p99 first/last window s", f"{v['p99_first_s']:.3f} / {v['p99_last_s']:.3f} "
                                         f"(window {v['window_s']} s, n={v['latency_samples']}) "
-                                        f"{'ok' if v['p99_ok'] else 'FAIL'}"),
+                                        f"{'ok' if v['p99_ok'] else 'FAIL'} {v.get('p99_inconclusive', '')}"),
             ("RSS first/last MB", "not measured (no --server-pid)" if v["rss_ok"] is None else
              f"{v['rss_first_mb']:.1f} / {v['rss_last_mb']:.1f} (max {v['rss_max_mb']:.1f}) "
              f"{'ok' if v['rss_ok'] else 'FAIL'}"),
