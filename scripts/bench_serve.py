@@ -1,11 +1,15 @@
-"""Serving benchmark (not a test): total and per-user tokens/s against concurrency for several schedulers.
+"""Serving benchmark (not a test): total and per-user tokens/s against concurrency for several schedulers,
+beside transformers' and our own batch-1 `generate` on the same weights, in one run.
 
-For each scheduler one engine is built (max batch = the largest concurrency; every capacity bucket compiled
-and its SPS profiled at start-up); then for each concurrency c, c requests with mixed real prompts
-(MT-Bench, HumanEval, held-out math; chat-templated) run together to completion. Printed per cell: total
-tokens/s (all generated tokens / wall time of the wave), per-user tokens/s (mean over requests of generated
-tokens / its own latency), τ (tokens per request-step) and mean verification tokens per pass. All numbers come
-from this one run; a JSON and a PNG (train/plots.plot_throughput) are written.
+For each scheduler one engine is built with the server's default sizes (`--max-batch 16`, max_model_len from
+the target; every step shape compiled and the SPS table profiled at start-up, as `python -m dspark_jax.serve`
+does); then for each concurrency c, c requests with mixed real prompts (MT-Bench, HumanEval, held-out math;
+chat-templated) run together to completion (beyond max batch they queue, as on the server). Printed per
+cell: total tokens/s (all generated tokens / wall time of the wave), per-user tokens/s (mean over requests of
+generated tokens / its own latency), τ (tokens per request-step) and mean verification tokens per pass.
+Reference lines at batch 1 on the same prompts, one after another: transformers' `model.generate` (greedy,
+torch, the same GGUF weights), our `dspark_jax.generate` target-only and with the drafter. Per-phase times of
+one step (draft, schedule, verify, host) are measured at concurrency 1 and 16. A JSON and a PNG are written.
 
     python scripts/bench_serve.py --schedulers none fixed:1 fixed:3 fixed:7 dspark --concurrency 1 2 4 8 16 32 64
 """
@@ -71,15 +75,90 @@ def run_wave(engine, prompts, max_tokens: int, temperature: float) -> dict:
             "tau": after["tokens_per_step"], "verify_tokens_per_pass": after["verify_tokens_per_pass"]}
 
 
+def reference_lines(target, drafter, prompts, max_tokens: int, target_spec: str) -> dict:
+    """tokens/s at batch 1 over `prompts`, one after another: transformers' greedy `model.generate` on the
+    same GGUF weights, ours target-only, ours with the drafter (default policy). Compilation is excluded (one
+    warm-up request per path)."""
+    import dspark_jax
+
+    out = {}
+    for name, d in (("generate (target only)", None), ("generate (drafter)", drafter)):
+        dspark_jax.generate(target, [prompts[0]], d, max_new_tokens=max_tokens, ignore_eos=True)  # compile
+        t0, n = time.perf_counter(), 0
+        for p in prompts:
+            n += len(dspark_jax.generate(target, [p], d, max_new_tokens=max_tokens, ignore_eos=True).tokens[0])
+        out[name] = n / (time.perf_counter() - t0)
+    try:
+        import torch
+
+        from dspark_jax.hub import resolve_target
+        from scripts.bench_target_decode import torch_gguf_model
+
+        _, path = resolve_target(target_spec)
+        model = torch_gguf_model(path)
+        with torch.no_grad():
+            model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
+            t0, n = time.perf_counter(), 0
+            for p in prompts:
+                o = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                   do_sample=False)
+                n += o.shape[1] - len(p)
+        out["transformers generate"] = n / (time.perf_counter() - t0)
+    except Exception as e:  # the reference is part of the report: say loudly that it is missing
+        print(f"transformers reference FAILED: {type(e).__name__}: {e}", flush=True)
+        out["transformers generate"] = float("nan")
+    return out
+
+
+def phase_times(engine, prompts, rows: int, repeats: int = 5) -> dict:
+    """Median ms of one step's phases for `rows` running requests: draft (device, synced), schedule (the
+    host's capacity search), verify (device pass given the drafts), host (everything else of an engine step:
+    building arrays, bookkeeping)."""
+    from serve.scheduler import dspark_capacity
+
+    core = engine.core
+    runner = core.runner
+    b = runner.empty_batch(rows)
+    for i in range(rows):
+        b.lengths[i], b.anchors[i] = len(prompts[i % len(prompts)]), 1
+    dev = runner.device_batch(b)
+    sps = core._sps_tokens(b.lengths.shape[0], int(b.lengths.max()))
+    times = {"draft": [], "schedule": [], "verify": [], "step": []}
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        drafts = jax_block(runner.draft(b, dev)) if runner.L else None
+        t1 = time.perf_counter()
+        conf = np.ones((b.lengths.shape[0], max(runner.L, 1)), np.float32)
+        K = dspark_capacity(conf, b.active, runner.L, sps) if runner.L else 0
+        t2 = time.perf_counter()
+        cap = min(c for c in runner.capacities if c >= rows + min(K, rows * runner.L))
+        runner.step(b, capacity=cap, budget=min(K, cap - rows) if runner.L else None,
+                    lengths=None if runner.L else np.zeros(b.lengths.shape[0], np.int32), drafts=drafts, dev=dev)
+        t3 = time.perf_counter()
+        times["draft"].append(t1 - t0)
+        times["schedule"].append(t2 - t1)
+        times["verify"].append(t3 - t2)
+    med = {k: 1e3 * float(np.median(v[1:])) for k, v in times.items() if v}
+    return med
+
+
+def jax_block(x):
+    import jax
+
+    return jax.block_until_ready(x)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--drafter", default="smollm2-135m-instruct/dspark")
+    p.add_argument("--max-batch", type=int, default=16, help="engine batch slots (the server's default)")
+    p.add_argument("--reference-prompts", type=int, default=6, help="prompts for the batch-1 reference lines")
     p.add_argument("--schedulers", nargs="+", default=["none", "fixed:1", "fixed:3", "fixed:7", "dspark"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the server's (from the target)")
     p.add_argument("--out", default="reports/serve", help="directory for bench_serve.json and throughput.png")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -91,8 +170,12 @@ def main(argv=None) -> int:
 
     target = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
-    prompts = prompts_for(target, max(args.concurrency), args.seed, args.max_model_len - args.max_tokens)
-    results, sps_tables, runners = {}, {}, {}
+    prompts = prompts_for(target, max(args.concurrency), args.seed, 512 - args.max_tokens)
+    print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    refs = reference_lines(target, drafter, prompts[: args.reference_prompts], args.max_tokens, args.target)
+    for k, v in refs.items():
+        print(f"[reference] {k}: {v:.2f} tok/s (batch 1)", flush=True)
+    results, sps_tables, runners, phases = {}, {}, {}, {}
     for sched in args.schedulers:
         t0 = time.perf_counter()
         kind = "plain" if sched == "none" else "spec"  # speculative schedulers share one compiled runner
@@ -101,12 +184,18 @@ def main(argv=None) -> int:
                                    progress=False)
         else:
             engine = create_engine(target_obj=target, drafter_obj=drafter if kind == "spec" else None,
-                                   scheduler=sched, max_batch=max(args.concurrency),
+                                   scheduler=sched, max_batch=args.max_batch,
                                    max_model_len=args.max_model_len, progress=False)
             runners[kind] = engine.core.runner
         sps_tables[sched] = engine.metrics()["sps_table"]
         print(f"[{sched}] engine ready in {time.perf_counter() - t0:.0f}s; SPS "
               + ", ".join(f"{k}:{v:.2f}" for k, v in sps_tables[sched].items()), flush=True)
+        if sched in ("none", "dspark"):
+            core = engine.core_only()
+            phases[sched] = {r: phase_times(engine, prompts, r) for r in (1, min(16, args.max_batch))}
+            print(f"[{sched}] phase ms: {phases[sched]}", flush=True)
+            engine = create_engine(runner=core.runner, scheduler=sched, max_model_len=args.max_model_len,
+                                   progress=False)
         results[sched] = {}
         for c in args.concurrency:
             r = run_wave(engine, prompts[:c], args.max_tokens, args.temperature)
@@ -124,8 +213,17 @@ def main(argv=None) -> int:
                         for s in args.schedulers)
         print(f"{c:<5}{cells}")
     with open(os.path.join(args.out, "bench_serve.json"), "w") as f:
-        json.dump({"args": vars(args), "results": results, "sps_tables": sps_tables}, f, indent=2)
-    plot_throughput(results, os.path.join(args.out, "throughput.png"))
+        json.dump({"args": vars(args), "results": results, "sps_tables": sps_tables, "references": refs,
+                   "phase_ms": phases, "load_average_end": os.getloadavg()[0]}, f, indent=2)
+    c1 = {s: results[s][1]["total_tps"] for s in args.schedulers if 1 in results[s]}
+    tf = refs.get("transformers generate", float("nan"))
+    for s, v in c1.items():
+        print(f"c=1 {s}: {v:.2f} tok/s = {v / tf:.2f}x transformers, {v / refs['generate (drafter)']:.2f}x our "
+              f"generate with the drafter, {v / refs['generate (target only)']:.2f}x our target-only generate")
+    plotted = dict(results)
+    for k, v in refs.items():  # batch-1 reference points at concurrency 1
+        plotted[k + " (batch 1)"] = {1: {"total_tps": v, "per_user_tps": v}}
+    plot_throughput(plotted, os.path.join(args.out, "throughput.png"))
     print(f"wrote {args.out}/bench_serve.json and throughput.png")
     return 0
 

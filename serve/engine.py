@@ -66,7 +66,7 @@ def _token_logprob(lp, row: int, col: int | None, k: int) -> TokenLogprob:
 
 class EngineCore:
     def __init__(self, runner, *, scheduler: str, max_batch: int, num_pages: int, page_size: int,
-                 max_model_len: int, eos_token_ids=(), sps: SpsTable | None = None, max_waiting: int = 1024):
+                 max_model_len: int, eos_token_ids=(), sps: SpsTable | None = None, max_waiting: int | None = None):
         self.runner = runner
         self.spec = SchedulerSpec.parse(scheduler)
         self.L = runner.L
@@ -158,7 +158,7 @@ class EngineCore:
         with self._lock:
             if request.request_id in self.by_id:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
-            if len(self.waiting) >= self.max_waiting:
+            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting")
             self.by_id[request.request_id] = r
             self.waiting.append(r)
@@ -536,7 +536,7 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
                   page_size: int = 16, num_pages: int | None = None, kernels: str = "auto",
                   mesh_shape: tuple[int, int] = (1, 1), chunk_sizes: tuple[int, ...] = (32, 128),
                   profile: bool = True, progress: bool = True, sps_table: str | None = None,
-                  sps_out: str | None = None, max_waiting: int = 1024, target_obj=None, drafter_obj=None,
+                  sps_out: str | None = None, max_waiting: int | None = None, target_obj=None, drafter_obj=None,
                   runner=None) -> Engine:
     """Loads target and drafter, precompiles every shape, profiles (or loads) the SPS table, starts the engine.
 
@@ -607,7 +607,7 @@ def _bar(progress: bool, desc: str):
 
 
 def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, say, name: str,
-               sps_table: str | None, sps_out: str | None, max_waiting: int, progress: bool) -> Engine:
+               sps_table: str | None, sps_out: str | None, max_waiting: int | None, progress: bool) -> Engine:
     """Compiles (if not yet) and profiles the runner for the scheduler's mode, then starts an engine on it."""
     if spec.needs_drafter and runner.drafter is None:
         raise ValueError(f"scheduler {spec.kind!r} needs a drafter; this runner has none")

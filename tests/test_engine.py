@@ -223,3 +223,72 @@ def test_core_rejects_what_it_cannot_serve(tiny):
     with pytest.raises(ValueError, match="empty"):
         core.add_request(EngineRequest(request_id="b", prompt_ids=[], params=SamplingParams(), on_output=on))
     assert isinstance(core, EngineCore)
+
+
+def _run_greedy(core, prompts, max_new: int = MAX_NEW, tag: str = "ref", **params) -> list[list[int]]:
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        core.add_request(EngineRequest(
+            request_id=f"{tag}{i}", prompt_ids=p,
+            params=SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True, **params),
+            on_output=lambda o: outs.setdefault(o.request_id, []).extend(o.token_ids)))
+    while core.has_work():
+        core.step()
+    return [outs.get(f"{tag}{i}", []) for i in range(len(prompts))]
+
+
+def test_hostile_values_fail_alone_and_pages_cannot_leak(tiny, runners):
+    """#11 on the engine: each hostile value is refused with a ValueError (the server's 400) or normalised, the
+    engine keeps serving, a reference greedy request is unchanged and every page returns. Then every page of
+    both pools is filled with NaN (what a request with an out-of-vocabulary id left behind before ids were
+    checked): outputs are still exact, because attention masks the values past each request's context."""
+    import jax.numpy as jnp
+
+    from dspark_jax.paged import PagedKV
+
+    target, drafter, prompts, ref = tiny
+    engine = create_engine(runner=runners["spec"], scheduler="dspark", max_model_len=80, progress=False)
+    core = engine.core_only()
+    V = target.config.vocab_size
+    on = lambda o: None  # noqa: E731
+    refused = [
+        ([V], {}), ([-1], {}), ([2**40], {}), ([3, 2**31], {}),  # token ids outside [0, V)
+        ([3, 4], {"temperature": float("nan")}), ([3, 4], {"top_p": 0.0}), ([3, 4], {"top_k": -5}),
+        ([3, 4], {"seed": 2**70}), ([3, 4], {"logprobs": 99}), ([3, 4], {"stop_token_ids": (V + 1,)}),
+        ([3, 4], {"max_tokens": 0}),
+    ]
+    for i, (prompt, params) in enumerate(refused):
+        with pytest.raises(ValueError):
+            core.add_request(EngineRequest(request_id=f"bad{i}", prompt_ids=prompt,
+                                           params=SamplingParams(**{"max_tokens": 4, **params}), on_output=on))
+        assert _run_greedy(core, prompts[:2], tag=f"after{i}-") == ref[:2]
+    # Values that are normalised rather than refused: top_k beyond the vocabulary is off (as vLLM clamps it),
+    # a temperature below 1e-5 is greedy, a 64-bit seed is fine.
+    assert _run_greedy(core, prompts[:2], tag="k", top_k=2**40) == ref[:2]
+    outs: dict[str, list[int]] = {}
+    core.add_request(EngineRequest(request_id="tiny-t", prompt_ids=prompts[0], on_output=lambda o: outs.setdefault(
+        o.request_id, []).extend(o.token_ids), params=SamplingParams(max_tokens=MAX_NEW, temperature=1e-7,
+                                                                     seed=2**63 + 5, ignore_eos=True)))
+    while core.has_work():
+        core.step()
+    assert outs["tiny-t"] == ref[0]
+    assert core.pages.num_free == core.pages.num_pages
+    # Poison every page of both pools; the engine must not read any of it back.
+    runner = core.runner
+    nan = lambda kv: PagedKV(k=tuple(jnp.full_like(x, jnp.nan) for x in kv.k),  # noqa: E731
+                             v=tuple(jnp.full_like(x, jnp.nan) for x in kv.v))
+    runner.tkv, runner.dkv = nan(runner.tkv), nan(runner.dkv)
+    assert _run_greedy(core, prompts, tag="poisoned") == ref
+    assert core.pages.num_free == core.pages.num_pages
+
+
+def test_engine_with_pallas_kernels_matches_target_only(tiny):
+    """The deployed combination: the engine with kernels="pallas" (the ragged attention kernel in every target
+    pass, the fused Markov sampler in every draft; interpreted on a CPU, compiled on a GPU/TPU) gives exactly
+    the target-only greedy outputs, with drafts accepted."""
+    target, drafter, prompts, ref = tiny
+    # page_size 16: the GPU (Triton) kernel reads pages in blocks of at least 16 positions.
+    core = _engine(target, drafter, "dspark", kernels="pallas", page_size=16, profile=False).core_only()
+    assert _run_greedy(core, prompts[:4], tag="pallas") == ref[:4]
+    assert core.metrics()["tokens_per_step"] > 1.0
+    assert core.pages.num_free == core.pages.num_pages

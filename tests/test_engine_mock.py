@@ -26,8 +26,8 @@ import types
 import numpy as np
 import pytest
 
-from serve.engine import Engine, EngineCore, capacity_buckets
 from dspark_jax.runner import StepBatch, StepResult, pick, pow2_buckets
+from serve.engine import Engine, EngineCore, capacity_buckets
 from serve.types import EngineRequest, SamplingParams
 
 V = 1000
