@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import draft_vocab
+from dspark_jax import deepspec, draft_vocab
 from dspark_jax import kernels as kernels_lib
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead
@@ -51,18 +51,29 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
         (draft tokens int32 [B, L], draft probs f32 [B, L, V], confidence f32 [B, L]).
     """
     model: DrafterModel = nnx.merge(graphdef, params)
+    if model.cfg.kind == "eagle3":
+        return _draft_eagle(model, head, cache, anchor, keys, temperature, top_k, top_p)
+    h = model.block_hidden(head, cache, anchor, cache.lengths)  # [B, L, D]
+    return draft_from_hidden(model, head, h, anchor, keys, temperature, top_k, top_p, kernels)
+
+
+def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, temperature, top_k, top_p,
+                      kernels: str = "auto"):
+    """The sampling half of `draft_block` (dspark/dflash): block hidden states h [B, L, D] → (draft tokens
+    [B, L], draft probs [B, L, V], confidence [B, L]). The serving engine computes h from paged context
+    (dspark_jax/paged.py) and shares this function, so both paths sample drafts identically."""
     cfg = model.cfg
     L = cfg.block_size
     B = anchor.shape[0]
     greedy = all_greedy(temperature)
-    if cfg.kind == "eagle3":
-        return _draft_eagle(model, head, cache, anchor, keys, temperature, top_k, top_p)
-    h = model.block_hidden(head, cache, anchor, cache.lengths)  # [B, L, D]
     U = draft_vocab.head_logits(head, h, cfg)  # [B, L, Vd]: V, or the reduced draft vocabulary's size
     if cfg.head == "none":  # DFlash: every position sampled independently from its marginal
         probs = filter_probs(U, temperature, top_k, top_p)
-        return (draft_vocab.to_target(sample(keys, probs, greedy), cfg), draft_vocab.to_vocab(probs, cfg),
-                jnp.ones((B, L), jnp.float32))
+        conf = jnp.ones((B, L), jnp.float32)
+        if cfg.confidence:  # a confidence head without the Markov input reads h_k alone (DeepSpec allows it)
+            t = jnp.asarray(cfg.calibration or 1.0, jnp.float32)
+            conf = jax.nn.sigmoid(model.confidence_logit(h, None) / t)
+        return draft_vocab.to_target(sample(keys, probs, greedy), cfg), draft_vocab.to_vocab(probs, cfg), conf
 
     temps = jnp.asarray(cfg.calibration, jnp.float32) if cfg.calibration else jnp.ones((L,), jnp.float32)
 
@@ -171,12 +182,23 @@ class Drafter:
             diff = {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)}
             raise ValueError(f"drafter was trained for a different target: (drafter, target) differ in {diff}")
 
-    def save(self, path: str, dtype: str | None = None) -> None:
-        """Writes `drafter_config.json` and an Orbax checkpoint of the parameters under `path`.
+    def save(self, path: str, dtype: str | None = None, *, format: str = "orbax", target=None,
+             mask_token_id: int | None = None) -> None:
+        """Writes `drafter_config.json` and an Orbax checkpoint of the parameters under `path`, or with
+        format="deepspec" a DeepSpec checkpoint (config.json + safetensors, dspark_jax/deepspec.py).
 
         dtype: store floating parameters in this dtype (e.g. "bfloat16" halves a shipped checkpoint); loading
         casts them back to the target's dtype.
+        target, mask_token_id: deepspec only — the target whose config and frozen embedding / LM head the
+        checkpoint carries, and the token whose embedding row holds the mask vector (see deepspec.save).
         """
+        if format == "deepspec":
+            if target is None:
+                raise ValueError("format='deepspec' needs target=...: the checkpoint carries the target's config "
+                                 "and copies of its embedding and LM head")
+            return deepspec.save(self, path, target, dtype=dtype, mask_token_id=mask_token_id)
+        if format != "orbax":
+            raise ValueError(f"unknown checkpoint format {format!r}; choose orbax or deepspec")
         import orbax.checkpoint as ocp
 
         path = os.path.abspath(path)
@@ -210,11 +232,15 @@ def shipped_drafters() -> list[str]:
 
 
 def resolve_drafter(spec: str) -> str:
-    """A drafter directory, or the name of a shipped one ("<target>/<kind>") → its directory."""
+    """A drafter directory, the name of a shipped one ("<target>/<kind>"), or a Hugging Face hub id in the
+    local cache (e.g. "deepseek-ai/dspark_qwen3_8b_block7") → its directory."""
     if os.path.isdir(spec):
         return spec
     if spec in shipped_drafters():
         return os.path.join(SHIPPED_DIR, *spec.split("/"))
+    shipped_targets = {n.split("/")[0] for n in shipped_drafters()}
+    if deepspec.HUB_ID.fullmatch(spec) and spec.split("/")[0] not in shipped_targets:
+        return deepspec.resolve(spec)  # a hub id (DeepSpec's released drafters) in the local HF cache
     known = ", ".join(shipped_drafters()) or "none"
     raise ValueError(f"not a drafter checkpoint: {spec!r} is neither a directory nor a shipped drafter "
                      f"(shipped: {known})")
@@ -222,7 +248,8 @@ def resolve_drafter(spec: str) -> str:
 
 def load_drafter(path: str, target) -> Drafter:
     """Loads a drafter saved by `Drafter.save` (a directory, or a shipped name such as
-    "smollm2-135m-instruct/dspark") and checks it was made for `target`. Parameters are cast to the target's
+    "smollm2-135m-instruct/dspark") or a DeepSpec checkpoint (a directory or a hub id in the local Hugging Face
+    cache, see dspark_jax/deepspec.py) and checks it was made for `target`. Parameters are cast to the target's
     dtype.
 
     Raises:
@@ -231,6 +258,8 @@ def load_drafter(path: str, target) -> Drafter:
     import orbax.checkpoint as ocp
 
     path = resolve_drafter(path)
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)) and deepspec.is_checkpoint(path):
+        return deepspec.load(path, target)
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(cfg_path):
         raise ValueError(f"not a drafter checkpoint: {cfg_path} does not exist")

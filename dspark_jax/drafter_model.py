@@ -10,7 +10,9 @@ n, n+1, …; each block query attends to the whole context cache and bidirection
 Output hidden states h_k; base logits U_k = the target's frozen LM head applied to them.
 
 EAGLE-3. One layer over [embedding(x_{t+1}); fused feature f_t] (f_t = fc(target features) for context,
-the drafter's own output for drafted positions), run token by token.
+the drafter's own output for drafted positions), run token by token. `eagle_layer="fused"` (ours) projects
+[norm(e); f] to D and runs a standard layer; `"concat"` is EAGLE-3's own layer (`Eagle3ConcatLayer`, as in
+DeepSpec/SpecForge): q/k/v read [norm(e); norm(f)] of width 2D and the residual stream is f itself.
 
 Parameters of the target (embedding, LM head) are passed in at call time, never copied: `TargetHead`.
 """
@@ -79,7 +81,13 @@ class DrafterLayer(nnx.Module):
 
         `extra_kv` (eagle3) = (k, v, mask) of earlier drafted positions [B, K, J, H], prepended to the block.
         """
-        q, k, v = self.attn.qkv(self.attn_norm(x))
+        a, kv = self.attend(self.attn_norm(x), positions, inv_freq, ctx_k, ctx_v, ctx_mask, block_mask, extra_kv)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), kv
+
+    def attend(self, xn, positions, inv_freq, ctx_k, ctx_v, ctx_mask, block_mask, extra_kv=None):
+        """Attention of (normed) inputs xn over [context; extra; block] → (o-projected [B, T, D], block (k, v))."""
+        q, k, v = self.attn.qkv(xn)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
         keys, values, mask = [ctx_k], [ctx_v], [ctx_mask]
@@ -91,8 +99,40 @@ class DrafterLayer(nnx.Module):
         values.append(v)
         mask.append(block_mask)
         a = attention(q, jnp.concatenate(keys, 2), jnp.concatenate(values, 2), jnp.concatenate(mask, 2))
-        x = x + self.attn.out(a)
-        return x + self.mlp(self.mlp_norm(x)), (k, v)
+        return self.attn.out(a), (k, v)
+
+
+class Eagle3ConcatLayer(DrafterLayer):
+    """EAGLE-3's own layer (DeepSpec's `Qwen3Eagle3DecoderLayer`), for `eagle_layer="concat"`:
+
+        x2 = [embed_norm(e); hidden_norm(f)]          [B, T, 2D]   (`inputs`)
+        y  = f + o(attention(q(x2), k(x2), v(x2)))    [B, T, D]
+        y  = y + mlp(mlp_norm(y))
+    """
+
+    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+        # Its own parameters (no super().__init__): it inherits only `attend` and `context_kv`.
+        D = cfg.hidden_size
+        self.embed_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Projections(dim=2 * D, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim, bias=False, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
+                                dtype=dtype, rngs=rngs)
+        # q, k, v read the 2D-wide concatenation; the output projection writes the D-wide residual stream.
+        self.attn.o = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.num_heads, cfg.head_dim, D),
+                                                                 dtype))
+        self.mlp_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(dim=D, ffn=cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def inputs(self, e, f):
+        """Token embeddings e and features f [B, T, D] → x2 [B, T, 2D] (embedding first, as DeepSpec)."""
+        return jnp.concatenate([self.embed_norm(e.astype(f.dtype)), self.hidden_norm(f)], -1)
+
+    def __call__(self, x2, positions, inv_freq, ctx_k, ctx_v, ctx_mask, block_mask, extra_kv=None, *, residual):
+        """x2 [B, T, 2D] from `inputs`; residual = the un-normed features f [B, T, D]."""
+        a, kv = self.attend(x2, positions, inv_freq, ctx_k, ctx_v, ctx_mask, block_mask, extra_kv)
+        y = residual.astype(a.dtype) + a
+        return y + self.mlp(self.mlp_norm(y)), kv
 
 
 class DrafterModel(nnx.Module):
@@ -103,14 +143,16 @@ class DrafterModel(nnx.Module):
         D, R, V = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
         init = nnx.initializers.normal(0.02)
         self.fc = nnx.Param(init(rngs.params(), (len(cfg.target_layers) * D, D), dtype))
-        self.ctx_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        if not self.concat:  # EAGLE-3's own layer norms the feature inside (hidden_norm), residual un-normed
+            self.ctx_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        layer = Eagle3ConcatLayer if self.concat else DrafterLayer
+        self.layers = nnx.List([layer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
-        if cfg.kind == "eagle3":
+        if cfg.kind == "eagle3" and not self.concat:
             # [norm(embedding); norm(feature)] → D, EAGLE-3's fused input.
             self.input_fc = nnx.Param(init(rngs.params(), (2 * D, D), dtype))
             self.embed_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
-        else:
+        elif cfg.kind != "eagle3":
             self.mask_embed = nnx.Param(init(rngs.params(), (D,), dtype))
         if cfg.head != "none":
             # Markov embedding: a row per token (per subset token + one shared row with a reduced vocabulary).
@@ -118,11 +160,21 @@ class DrafterModel(nnx.Module):
             self.markov_w1 = nnx.Param(init(rngs.params(), (rows, R), dtype))
             # W2 starts at zero: an untrained head leaves the backbone's logits untouched.
             self.markov_w2 = nnx.Param(jnp.zeros((R, draft_vocab.size(cfg)), dtype))
+        if cfg.head == "gated":  # σ([h_k; e] G + g) gates the Markov embedding e (DeepSpec's GatedMarkovHead)
+            self.markov_gate = nnx.Param(init(rngs.params(), (D + R, R), dtype))
+            self.markov_gate_bias = nnx.Param(jnp.zeros((R,), dtype))
         if cfg.head == "rnn":
             self.rnn = nnx.Param(init(rngs.params(), (2 * R + D, 3 * R), dtype))  # gate | candidate | out
+            if cfg.rnn_bias:
+                self.rnn_bias = nnx.Param(jnp.zeros((3 * R,), dtype))
         if cfg.confidence:
-            self.conf_w = nnx.Param(jnp.zeros((D + R,), dtype))
+            self.conf_w = nnx.Param(jnp.zeros((D + R if cfg.confidence_with_markov else D,), dtype))
             self.conf_b = nnx.Param(jnp.zeros((), dtype))
+
+    @property
+    def concat(self) -> bool:
+        """EAGLE-3's own layer (`Eagle3ConcatLayer`) rather than our fused input."""
+        return self.cfg.kind == "eagle3" and self.cfg.eagle_layer == "concat"
 
     # ---- context -------------------------------------------------------------------------------------------
     def init_cache(self, batch: int, capacity: int) -> DrafterCache:
@@ -137,10 +189,12 @@ class DrafterModel(nnx.Module):
     def project_features(self, feats: jax.Array) -> jax.Array:
         """Target hidden states [B, T, m·D] → H_ctx [B, T, D] (eq. 2; EAGLE-3's fused feature too)."""
         h = jnp.einsum("BTE,ED->BTD", feats.astype(self.fc[...].dtype), self.fc[...])
-        return self.ctx_norm(h)
+        return h if self.concat else self.ctx_norm(h)
 
     def eagle_input(self, head: TargetHead, tokens, feature):
-        """EAGLE-3 layer input from tokens [B, T] and fused features [B, T, D]."""
+        """EAGLE-3 layer input from tokens [B, T] and fused features [B, T, D] ([B, T, 2D] for concat)."""
+        if self.concat:
+            return self.layers[0].inputs(jnp.take(head.embed, tokens, axis=0), feature)
         e = self.embed_norm(jnp.take(head.embed, tokens, axis=0).astype(feature.dtype))
         return jnp.einsum("BTE,ED->BTD", jnp.concatenate([e, feature], -1), self.input_fc[...])
 
@@ -155,7 +209,7 @@ class DrafterModel(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
         if self.cfg.kind == "eagle3":
             x = self.eagle_input(head, next_tokens, feats)
-            h = [self.layers[0].attn_norm(x)]
+            h = [x if self.concat else self.layers[0].attn_norm(x)]
         else:
             h = [self.project_features(feats)] * len(self.layers)
         ks, vs = [], []
@@ -184,22 +238,33 @@ class DrafterModel(nnx.Module):
         """One parallel pass. anchor [B] at positions `start` [B] (= committed length n).
 
         Returns h [B, L, D] (final-normed): dspark reads slots 0..L−1 (anchor + L−1 masks); dflash feeds
-        anchor + L masks and reads the L mask slots.
+        anchor + L masks and reads the L mask slots (or, with `anchor_predicts`, the dspark layout).
         """
-        L = self.cfg.block_size
-        n_in = L if self.cfg.kind == "dspark" else L + 1
-        B = anchor.shape[0]
-        emb = jnp.take(head.embed, anchor, axis=0).astype(self.mask_embed[...].dtype)
-        x = jnp.concatenate([emb[:, None], jnp.broadcast_to(self.mask_embed[...], (B, n_in - 1, emb.shape[-1]))], 1)
-        positions = start[:, None] + jnp.arange(n_in, dtype=jnp.int32)
+        x, positions = self.block_inputs(head, anchor, start)
+        B, n_in = positions.shape
         S = cache.k[0].shape[2]
         ctx_mask = jnp.broadcast_to(jnp.arange(S)[None, None] < cache.lengths[:, None, None], (B, n_in, S))
         block_mask = jnp.ones((B, n_in, n_in), bool)
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
         for i, layer in enumerate(self.layers):
             x, _ = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx_mask, block_mask)
+        return self.block_output(x)
+
+    def block_inputs(self, head: TargetHead, anchor: jax.Array, start: jax.Array):
+        """The block pass's inputs: x [B, n_in, D] (anchor embedding, then mask embeddings) at positions
+        [B, n_in] from `start`; n_in = L (dspark) or L + 1 (dflash). Shared by `block_hidden` and the paged
+        serving pass (dspark_jax/paged.py)."""
+        L = self.cfg.block_size
+        n_in = L if self.cfg.anchor_slot_predicts else L + 1
+        B = anchor.shape[0]
+        emb = jnp.take(head.embed, anchor, axis=0).astype(self.mask_embed[...].dtype)
+        x = jnp.concatenate([emb[:, None], jnp.broadcast_to(self.mask_embed[...], (B, n_in - 1, emb.shape[-1]))], 1)
+        return x, start[:, None] + jnp.arange(n_in, dtype=jnp.int32)
+
+    def block_output(self, x: jax.Array) -> jax.Array:
+        """Last layer's output [B, n_in, D] → h [B, L, D] (final-normed; dflash drops the anchor slot)."""
         h = self.final_norm(x)
-        return h if self.cfg.kind == "dspark" else h[:, 1:]
+        return h if self.cfg.anchor_slot_predicts else h[:, 1:]
 
     # ---- sequential heads ---------------------------------------------------------------------------------------
     def markov_embedding(self, prev_tokens: jax.Array) -> jax.Array:
@@ -211,14 +276,22 @@ class DrafterModel(nnx.Module):
         w2 = self.markov_w2[...]
         if self.cfg.head == "markov":  # eq. 5
             return jnp.einsum("BR,RV->BV", e, w2, preferred_element_type=jnp.float32), state
+        if self.cfg.head == "gated":  # B_k = W2 (σ([h_k; e] G + g) ⊙ e)
+            z = jnp.concatenate([h_k.astype(e.dtype), e], -1)
+            gate = jax.nn.sigmoid(jnp.einsum("BZ,ZR->BR", z, self.markov_gate[...]) + self.markov_gate_bias[...])
+            return jnp.einsum("BR,RV->BV", gate * e, w2, preferred_element_type=jnp.float32), state
         z = jnp.concatenate([state, e, h_k.astype(e.dtype)], -1)  # eq. 6
-        g, c, o = jnp.split(jnp.einsum("BZ,ZR->BR", z, self.rnn[...]), 3, axis=-1)
+        proj = jnp.einsum("BZ,ZR->BR", z, self.rnn[...])
+        g, c, o = jnp.split(proj + self.rnn_bias[...] if self.cfg.rnn_bias else proj, 3, axis=-1)
         gate = jax.nn.sigmoid(g)
         state = gate * state + (1 - gate) * jnp.tanh(c)
         return jnp.einsum("BR,RV->BV", jnp.tanh(o), w2, preferred_element_type=jnp.float32), state
 
     def confidence_logit(self, h_k, e):
-        """Pre-sigmoid confidence w·[h_k; W1[x_{k−1}]] + b (eq. 7): [B, D], [B, R] → [B]."""
+        """Pre-sigmoid confidence w·[h_k; W1[x_{k−1}]] + b (eq. 7): [B, D], [B, R] → [B].
+        With `confidence_with_markov=False` it reads h_k alone (e may be None)."""
+        if not self.cfg.confidence_with_markov:
+            return (h_k @ self.conf_w[...] + self.conf_b[...]).astype(jnp.float32)
         feats = jnp.concatenate([h_k.astype(e.dtype), e], -1)
         return (feats @ self.conf_w[...] + self.conf_b[...]).astype(jnp.float32)
 
@@ -232,6 +305,7 @@ class DrafterModel(nnx.Module):
         ctx_mask = (jnp.arange(S)[None, None] < cache.lengths[:, None, None])
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
         ek, ev, emask = extra
+        kw = dict(residual=feature[:, None]) if self.concat else {}
         x, (k, v) = self.layers[0](x, pos, inv_freq, cache.k[0], cache.v[0], ctx_mask,
-                                   jnp.ones((token.shape[0], 1, 1), bool), (ek, ev, emask[:, None, :]))
+                                   jnp.ones((token.shape[0], 1, 1), bool), (ek, ev, emask[:, None, :]), **kw)
         return x[:, 0], self.final_norm(x)[:, 0], (k[:, :, 0], v[:, :, 0])
