@@ -159,7 +159,9 @@ def _exit_when_engine_dies(engine, stopping: threading.Event, poll_s: float = 1.
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dspark_jax.logs import configure_logging, third_party_level  # no JAX import
+
+    configure_logging(args.log_level)  # ours at --log-level; jax, absl, uvicorn ... at WARNING unless debug
     from serve.server import build_app, serve_forever
 
     try:
@@ -196,7 +198,7 @@ def main(argv=None) -> int:
 
         threading.Thread(target=_exit_when_engine_dies, args=(engine, stopping), name="engine-watchdog",
                          daemon=True).start()
-        serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+        serve_forever(app, args.host, args.port, log_level=third_party_level(args.log_level), on_ready=ready)
     finally:
         stopping.set()
         for name in ("close", "stop"):  # whichever the engine has: ends its thread
