@@ -6,7 +6,8 @@
 The batch is synthetic with the real shapes (tokens [S, T], anchors [S, A], precomputed target features
 [S, T, m·D] and hidden states [S, T, D]): a step's cost does not depend on the values. A reduced draft vocabulary
 (drafter.draft_vocab_size) uses the ids 0..Vd−1 (which ids does not change the cost), and the batch carries the
-precomputed log-normaliser `lse` as train/features.py writes it. Runs against whichever `train`/`dspark_jax`
+log-normaliser `lse` of its hidden states, as train/features.py writes it. The loss printed is that of random
+data, for a sanity check only. Runs against whichever `train`/`dspark_jax`
 is first on sys.path (`--src DIR` prepends DIR: e.g. an export of an older commit, for a before/after pair).
 Prints one JSON line: step seconds (median of --steps after one compiling step), rows/s, tokens/s.
 """
@@ -62,8 +63,9 @@ def main() -> None:
              "anchors": jnp.asarray(rng.integers(1, T - 2, size=(S, A)), jnp.int32),
              "feats": jnp.asarray(rng.standard_normal((S, T, m * D)), jnp.float32),
              "hidden": jnp.asarray(rng.standard_normal((S, T, D)), jnp.float32)}
-    if vocab:
-        batch["lse"] = jnp.full((S, T), 12.0, jnp.float32)
+    if vocab:  # the log-normaliser of these hidden states, as train/features.py stores it
+        head = target.module().head
+        batch["lse"] = jax.lax.map(lambda h: jax.nn.logsumexp(head(h), axis=-1), batch["hidden"])
     tx = make_optimizer(1e-4, 100, 10)
     step = make_train_step(target, drafter, tx)
     params = jax.tree.map(jnp.array, drafter.params)
