@@ -1,4 +1,9 @@
-"""Speculative decoding on the real SmolLM2-135M-Instruct: greedy output equals target-only greedy output."""
+"""Speculative decoding on the real SmolLM2-135M-Instruct: greedy output equals target-only greedy output.
+
+The drafters are the shipped, trained ones (dspark_jax/drafters/), run at block sizes other than the 7 they
+were trained with too: an untrained drafter is (almost) never accepted on a real model, and with only
+rejections greedy equality holds trivially, so every case also asserts that drafts were accepted.
+"""
 
 from __future__ import annotations
 
@@ -22,9 +27,9 @@ def prompts_and_reference(smollm2):
 @pytest.mark.parametrize("kind,L", [("dspark", 7), ("dspark", 16), ("dflash", 4), ("eagle3", 7)])
 def test_smollm2_greedy_speculative_equals_target_only(smollm2, prompts_and_reference, kind, L):
     prompts, ref = prompts_and_reference
-    kw = {"num_layers": 1} if kind != "eagle3" else {}
-    if kind == "dspark":
-        kw["markov_rank"] = 32
-    drafter = dspark_jax.init_drafter(smollm2, kind=kind, block_size=L, **kw)
+    drafter = dspark_jax.load_drafter(f"smollm2-135m-instruct/{kind}", smollm2)
+    if L != drafter.config.block_size:  # the calibration temperatures are per position of the trained block
+        drafter = drafter.with_config(block_size=L, calibration=())
     out = dspark_jax.generate(smollm2, prompts, drafter, max_new_tokens=32, ignore_eos=True)
     assert out.tokens == ref.tokens
+    assert sum(out.stats["acceptance_accepts"]) > 0 and out.stats["tau"] > 1.1, (kind, L, out.stats)
