@@ -36,52 +36,9 @@ from dspark_jax.decoding import (
 )
 from dspark_jax.drafter import draft_block
 from dspark_jax.drafter_model import DrafterModel, TargetHead
+from dspark_jax.policy import Policy
 from dspark_jax.sampling import all_greedy, filter_probs
-from dspark_jax.scheduling import fixed_lengths, prefix_schedule, survival, threshold_lengths
 from dspark_jax.verification import acceptance_counts, greedy_verify, verify
-
-POLICY_KINDS = ("fixed", "threshold", "dspark-sync")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Policy:
-    """Verification-length policy (hashable: passed to jit as static).
-
-    fixed:N — verify min(N, L) tokens (N=None: the whole block); threshold:X — the leading tokens with
-    survival a_k ≥ X; dspark-sync — Algorithm 1 with the early-stop break over `sps`, steps/s indexed by
-    tokens in the verification pass (a flat table admits every token with a_k > 0).
-    """
-
-    kind: str = "fixed"
-    n: int | None = None
-    threshold: float = 0.5
-    sps: tuple[float, ...] = ()
-
-    def __post_init__(self):
-        if self.kind not in POLICY_KINDS:
-            raise ValueError(f"unknown policy {self.kind!r}; choose one of {', '.join(POLICY_KINDS)}")
-
-    @classmethod
-    def parse(cls, text: str, sps: tuple[float, ...] = ()) -> Policy:
-        """'fixed', 'fixed:3', 'threshold:0.4' or 'dspark-sync'."""
-        kind, _, arg = text.partition(":")
-        if kind == "fixed":
-            return cls(kind=kind, n=int(arg) if arg else None)
-        if kind == "threshold":
-            return cls(kind=kind, threshold=float(arg or 0.5))
-        return cls(kind=kind, sps=tuple(sps))
-
-    def lengths(self, confidence: jax.Array, block_size: int) -> jax.Array:
-        """Confidence [B, L] → verification lengths int32 [B]."""
-        a = survival(confidence)
-        if self.kind == "fixed":
-            return fixed_lengths(a, min(self.n if self.n is not None else block_size, block_size))
-        if self.kind == "threshold":
-            return threshold_lengths(a, self.threshold)
-        B = confidence.shape[0]
-        sps = jnp.asarray(self.sps, jnp.float32) if self.sps else jnp.ones((B * (block_size + 1) + 1,))
-        return prefix_schedule(a, sps)
-
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "dcfg", "policy", "tied", "kernels"),
                    donate_argnames=("tcache", "dcache"))
@@ -141,6 +98,9 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
     dcfg = drafter.config
     L = dcfg.block_size
     policy = policy if isinstance(policy, Policy) else Policy.parse(policy or "fixed")
+    if policy.kind in ("none", "dspark"):
+        raise ValueError(f"generate with a drafter takes fixed[:N], threshold:X or dspark-sync, not {policy.kind!r}"
+                         + (" (the dspark policy needs the serving engine)" if policy.kind == "dspark" else ""))
     if policy.kind != "fixed" and not dcfg.confidence:
         raise ValueError(f"policy {policy.kind!r} needs a confidence head; a {dcfg.kind} drafter has none")
     B = len(prompts)

@@ -13,7 +13,6 @@ watchdog here): a supervisor restarts it, rather than a live process answering 5
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -31,20 +30,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def scheduler_spec(value: str) -> str:
-    """Validates a --scheduler value; returns it unchanged (the engine parses it)."""
-    # The same rules as serve.scheduler.SchedulerSpec.parse, which is not imported here: it pulls in JAX.
-    if value in ("none", "dspark-sync", "dspark"):
-        return value
-    kind, _, arg = value.partition(":")
+    """Validates a --scheduler value with the one policy parser (dspark_jax/policy.py, no JAX); returns it."""
+    from dspark_jax.policy import Policy
+
     try:
-        if kind == "fixed" and int(arg) >= 0:
-            return value
-        if kind == "threshold" and 0.0 <= float(arg) <= 1.0:
-            return value
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"invalid scheduler {value!r}; choose one of {SCHEDULERS} "
-                                     "(N an int >= 0, X a survival in [0, 1])")
+        Policy.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _positive_int(value: str) -> int:
@@ -82,9 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct",
                    help="target model: a known name, a Hugging Face directory or a .gguf file (default: %(default)s)")
-    p.add_argument("--drafter", default="smollm2-135m-instruct/dspark",
-                   help="DSpark drafter checkpoint (directory or shipped name), or 'none' to decode with the target "
-                        "alone (default: %(default)s)")
+    p.add_argument("--drafter", default="auto",
+                   help="drafter checkpoint (directory, shipped name or DeepSpec checkpoint), 'none' to decode with "
+                        "the target alone, or 'auto': the drafter shipped for --target if there is one, else none "
+                        "(default: %(default)s)")
     p.add_argument("--scheduler", type=scheduler_spec, default=None,
                    help=f"verification-length policy: {SCHEDULERS}. 'fixed:N' verifies N draft tokens (0: none), "
                         "'threshold:X' the leading ones with survival >= X, 'dspark-sync' Algorithm 1 over the "
@@ -93,8 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Default: dspark, or none with --drafter none")
     p.add_argument("--max-batch", type=_positive_int, default=16,
                    help="most requests decoded together (default: %(default)s)")
-    p.add_argument("--max-model-len", type=_positive_int, default=2048,
-                   help="most tokens per request, prompt plus completion (default: %(default)s)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="most tokens per request, prompt plus completion (default: the target's context, at most "
+                        "2048)")
     p.add_argument("--page-size", type=_positive_int, default=16,
                    help="tokens per KV-cache page (default: %(default)s)")
     p.add_argument("--num-pages", type=_positive_int, default=None,
@@ -110,7 +105,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention/sampling kernels: auto (Pallas on GPU/TPU), reference (plain jnp) or pallas "
                         "(default: %(default)s)")
     p.add_argument("--sps-out", default=None, metavar="PATH",
-                   help="write the SPS table profiled at start-up ({tokens per pass: steps/s}) to this JSON file")
+                   help="write the SPS table profiled at start-up (steps/s by batch bucket, tokens per pass and "
+                        "context length) to this JSON file")
+    p.add_argument("--sps-table", default=None, metavar="PATH",
+                   help="load a saved SPS table (an earlier --sps-out) instead of profiling at start-up; it must "
+                        "cover this configuration's step shapes")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every /v1/* route (401 otherwise; /health and "
                         "/metrics stay open). Default: no key")
@@ -126,8 +125,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.drafter == "none" and args.scheduler not in (None, "none", "fixed:0"):
         p.error(f"--scheduler {args.scheduler} needs a drafter; drop it or pass --drafter")
-    if args.scheduler is None:
-        args.scheduler = "none" if args.drafter == "none" else "dspark"
     return args
 
 
@@ -170,8 +167,9 @@ def main(argv=None) -> int:
         engine = create_engine(target=args.target, drafter=None if args.drafter == "none" else args.drafter,
                                scheduler=args.scheduler, max_batch=args.max_batch, max_model_len=args.max_model_len,
                                page_size=args.page_size, num_pages=args.num_pages, kernels=args.kernels,
-                               mesh_shape=(1, args.tensor_parallel), progress=True)
-    except ValueError as e:  # bad model spec, drafter/target mismatch, sizes the device cannot hold ...
+                               mesh_shape=(1, args.tensor_parallel), progress=True, sps_table=args.sps_table,
+                               sps_out=args.sps_out)
+    except (ValueError, OSError) as e:  # bad model spec, drafter/target mismatch, sizes, unwritable --sps-out
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -184,10 +182,6 @@ def main(argv=None) -> int:
             app = build_app(engine, engine.tokenizer, chat_template=chat_template_of(engine), api_key=args.api_key,
                             max_waiting=args.max_waiting, request_timeout_s=args.request_timeout,
                             max_body_bytes=args.max_body_bytes)
-            if args.sps_out:
-                sps = engine.metrics().get("sps_table") or {}
-                with open(args.sps_out, "w") as f:
-                    json.dump({str(k): v for k, v in sps.items()}, f, indent=1)
         except (ValueError, OSError) as e:  # no chat template, unwritable --sps-out
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -612,7 +612,7 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
     if spec.needs_drafter and runner.drafter is None:
         raise ValueError(f"scheduler {spec.kind!r} needs a drafter; this runner has none")
     mode = "topk" if spec.kind == "dspark" else "lengths"
-    max_draft = spec.n if spec.kind == "fixed" else None
+    max_draft = spec.max_draft(runner.L)
     t0 = time.perf_counter()
     update, close = _bar(progress, "compiling")
     runner.warmup((mode,), max_draft=max_draft, progress=update, plain=spec.kind == "dspark")
@@ -641,15 +641,7 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
         say("SPS " + sps.summary())
         if sps_out:
             sps.save(sps_out)
-    core = EngineCore(runner, scheduler=_spec_text(spec), max_batch=runner.B, num_pages=runner.num_pages,
+    core = EngineCore(runner, scheduler=str(spec), max_batch=runner.B, num_pages=runner.num_pages,
                       page_size=runner.page_size, max_model_len=max_model_len,
                       eos_token_ids=runner.target.eos_token_ids, sps=sps, max_waiting=max_waiting)
     return Engine(core, model_name=name, tokenizer=runner.target.tokenizer).start()
-
-
-def _spec_text(spec: SchedulerSpec) -> str:
-    if spec.kind == "fixed":
-        return f"fixed:{spec.n}"
-    if spec.kind == "threshold":
-        return f"threshold:{spec.threshold}"
-    return spec.kind

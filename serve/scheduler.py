@@ -20,52 +20,10 @@ import json
 import jax
 import numpy as np
 
+from dspark_jax.policy import Policy
 from dspark_jax.scheduling import bucket_sps, capacity_search, prefix_schedule, survival, threshold_lengths
 
-KINDS = ("none", "fixed", "threshold", "dspark-sync", "dspark")
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerSpec:
-    kind: str
-    n: int = 0
-    threshold: float = 0.5
-
-    @classmethod
-    def parse(cls, text: str) -> SchedulerSpec:
-        kind, _, arg = text.partition(":")
-        if kind not in KINDS:
-            raise ValueError(f"unknown scheduler {text!r}; choose none, fixed:N, threshold:X, dspark-sync or dspark")
-        try:
-            if kind == "fixed":
-                n = int(arg)
-                if n < 0:
-                    raise ValueError
-                return cls(kind, n=n)
-            if kind == "threshold":
-                x = float(arg)
-                if not 0.0 <= x <= 1.0:
-                    raise ValueError
-                return cls(kind, threshold=x)
-        except ValueError:
-            raise ValueError(f"bad scheduler {text!r}: fixed:N needs an integer N >= 0, threshold:X an X in "
-                             "[0, 1]") from None
-        if arg:
-            raise ValueError(f"scheduler {kind!r} takes no argument, got {text!r}")
-        return cls(kind)
-
-    @property
-    def needs_drafter(self) -> bool:
-        return self.kind != "none" and not (self.kind == "fixed" and self.n == 0)
-
-    @property
-    def needs_confidence(self) -> bool:
-        return self.kind in ("threshold", "dspark-sync", "dspark")
-
-    @property
-    def syncs_on_drafts(self) -> bool:
-        """Whether the lengths depend on the current step's confidences read back on the host."""
-        return self.kind in ("threshold", "dspark-sync")
+SchedulerSpec = Policy  # the one parser and meaning of policy strings (dspark_jax/policy.py)
 
 
 def pick_bucket(tokens: int, buckets) -> int:
@@ -94,7 +52,7 @@ def host_lengths(spec: SchedulerSpec, conf: np.ndarray | None, active: np.ndarra
     if spec.kind == "none":
         return np.zeros(B, np.int32)
     if spec.kind == "fixed":
-        return np.where(active, min(spec.n, block_size), 0).astype(np.int32)
+        return np.where(active, spec.max_draft(block_size), 0).astype(np.int32)
     if spec.kind == "threshold":
         return np.asarray(_threshold(conf, np.float32(spec.threshold), active))
     return np.asarray(_prefix(conf, sps_table, active))

@@ -426,7 +426,7 @@ def test_constructor_validation():
             make_core(scheduler, confidence_head=False)
     with pytest.raises(ValueError, match="cannot hold"):
         make_core("fixed:1", num_pages=5)  # one request needs ⌈(40 + 5) / 4⌉ = 12 pages
-    with pytest.raises(ValueError, match="unknown scheduler"):
+    with pytest.raises(ValueError, match="bad policy"):
         make_core("greedy")
 
 

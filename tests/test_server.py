@@ -17,7 +17,6 @@ decoding joins words with spaces, so `text(ids) == " ".join(f"t{i}")`.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import sys
@@ -524,7 +523,7 @@ def test_cli_help_and_bad_flags(capsys):
                  "--port", "--kernels", "--sps-out", "--log-level", "--api-key", "--max-waiting", "--request-timeout",
                  "--max-body-bytes"):
         assert flag in out
-    for bad in (["--scheduler", "fixed:-1"], ["--scheduler", "fixed"], ["--scheduler", "threshold:2"],
+    for bad in (["--scheduler", "fixed:-1"], ["--scheduler", "fixed:x"], ["--scheduler", "threshold:2"],
                 ["--scheduler", "magic"], ["--scheduler", "dspark:3"],
                 ["--max-batch", "0"], ["--port", "70000"], ["--kernels", "cuda"], ["--log-level", "loud"],
                 ["--drafter", "none", "--scheduler", "dspark"], ["--bogus"], ["--max-waiting", "0"],
@@ -533,8 +532,10 @@ def test_cli_help_and_bad_flags(capsys):
             cli.parse_args(bad)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (bad, err)
-    assert cli.parse_args(["--drafter", "none"]).scheduler == "none"
-    assert cli.parse_args([]).scheduler == "dspark"
+    # No --scheduler: the engine picks dspark with a drafter, none without (the drafter default is "auto").
+    assert cli.parse_args(["--drafter", "none"]).scheduler is None
+    assert cli.parse_args([]).scheduler is None and cli.parse_args([]).drafter == "auto"
+    assert cli.parse_args(["--scheduler", "fixed"]).scheduler == "fixed"  # the whole block
     assert cli.parse_args(["--scheduler", "threshold:0.4"]).scheduler == "threshold:0.4"
 
 
@@ -564,12 +565,11 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
     sps = tmp_path / "sps.json"
     assert cli.main(["--drafter", "none", "--port", "8123", "--sps-out", str(sps), "--log-level", "warning",
                      "--api-key", "k", "--max-body-bytes", "40"]) == 0
-    assert calls["kw"] == dict(target="smollm2-135m-instruct", drafter=None, scheduler="none", max_batch=16,
-                               max_model_len=2048, page_size=16, num_pages=None, kernels="auto", mesh_shape=(1, 1),
-                               progress=True)
+    assert calls["kw"] == dict(target="smollm2-135m-instruct", drafter=None, scheduler=None, max_batch=16,
+                               max_model_len=None, page_size=16, num_pages=None, kernels="auto", mesh_shape=(1, 1),
+                               progress=True, sps_table=None, sps_out=str(sps))
     assert calls["serve"][:3] == ("127.0.0.1", 8123, "warning") and "/v1/chat/completions" in calls["serve"][3]
     assert "http://127.0.0.1:8123" in capsys.readouterr().out
-    assert json.loads(sps.read_text()) == {"16": 50.0, "32": 45.5, "2x8@64": 7.0}
     assert not calls["engine"]._thread.is_alive()  # main closes the engine on the way out
     assert calls["engine"].exit_on_fatal  # a dead engine loop ends the process
 
