@@ -153,3 +153,43 @@ def test_select_takes_the_most_frequent_tokens_and_always_eos():
     assert select(counts, 8)[1] == 1.0
     with pytest.raises(ValueError, match="size"):
         select(counts, 0)
+
+
+def test_fit_with_a_reduced_vocabulary_and_separate_features_resumes(tiny, tmp_path):
+    """`fit` end to end as the fair configs run it: features under their own root, a shared draft-vocabulary
+    file chosen from the data at the first start, a killed run resumed to the same losses, the saved drafter
+    carrying its subset."""
+    import json
+
+    from train.config import load_config
+    from train.features import featurize
+    from train.fit import fit
+    from train.prepare import encode_record, write_shards
+
+    prompts = [list(np.random.default_rng(i).integers(3, 128, size=4 + i % 5)) for i in range(16)]
+    res = dspark_jax.generate(tiny, prompts, max_new_tokens=30, temperature=1.0, seed=1, ignore_eos=True)
+    data = tmp_path / "tokens"
+    data.mkdir()
+    write_shards([encode_record(p + r, len(p), "chat") for p, r in zip(prompts, res.tokens, strict=True)],
+                 str(data), num_shards=2, seed=0)
+    featurize(str(data), tiny, (0, 1, 2), out_root=str(tmp_path / "feats"), progress=False)
+    shared = tmp_path / "vocab.json"
+
+    def cfg(out):
+        return load_config(None, [
+            f"data.path={data}", f"data.features_path={tmp_path / 'feats'}", "data.seq_len=32",
+            "data.anchors_per_seq=6", "data.batch_sequences=2", "drafter.kind=dspark", "drafter.block_size=3",
+            "drafter.overrides={num_layers: 1, markov_rank: 4, target_layers: [0, 1, 2]}",
+            "drafter.draft_vocab_size=40", f"drafter.draft_vocab_file={shared}", f"run.out_dir={out}",
+            "run.log_every=1", "run.ckpt_every=2", "run.async_checkpoint=false", "optim.steps=5", "optim.warmup=1"])
+
+    straight = fit(cfg(tmp_path / "a"), target=tiny, progress=False)
+    fit(cfg(tmp_path / "b"), target=tiny, stop_after=3, progress=False)
+    fit(cfg(tmp_path / "b"), target=tiny, progress=False)
+    ids = json.load(open(shared))["ids"]
+    assert len(ids) == 40 and 2 in ids and straight.config.draft_vocab == tuple(ids)
+    read = lambda d: [json.loads(ln)["loss"] for ln in open(d / "metrics.jsonl")]  # noqa: E731
+    np.testing.assert_allclose(read(tmp_path / "b"), read(tmp_path / "a"), rtol=1e-6)
+    loaded = dspark_jax.load_drafter(str(tmp_path / "b" / "drafter"), tiny)
+    assert loaded.config.draft_vocab == tuple(ids)
+    assert loaded.module().markov_w2[...].shape == (4, 40)
