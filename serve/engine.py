@@ -591,19 +591,13 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
 
 
 def _bar(progress: bool, desc: str):
-    """A tqdm progress callback(done, total) (or a no-op)."""
+    """(update(done, total) or None, close): a progress bar on a terminal (dspark_jax/logs.py)."""
     if not progress:
         return None, lambda: None
-    from tqdm.auto import tqdm
+    from dspark_jax.logs import progress_bar
 
-    bar = tqdm(desc=desc, unit="shape", leave=False)
-
-    def update(done, total):
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-
-    return update, bar.close
+    ctx = progress_bar(desc, unit="shape")
+    return ctx.__enter__(), lambda: ctx.__exit__(None, None, None)
 
 
 def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, say, name: str,
@@ -637,11 +631,26 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
                     plain[bb, ctx] = v
         close()
         sps = SpsTable(entries, plain).smoothed()
+    if sps is not None and sps_out:
+        sps.save(sps_out)
     if sps is not None:
-        say("SPS " + sps.summary())
-        if sps_out:
-            sps.save(sps_out)
+        say(_summary(runner, spec, sps, name))
     core = EngineCore(runner, scheduler=str(spec), max_batch=runner.B, num_pages=runner.num_pages,
                       page_size=runner.page_size, max_model_len=max_model_len,
                       eos_token_ids=runner.target.eos_token_ids, sps=sps, max_waiting=max_waiting)
     return Engine(core, model_name=name, tokenizer=runner.target.tokenizer).start()
+
+
+def _summary(runner, spec, sps: SpsTable, name: str) -> str:
+    """One line: what is served and how fast the profile says a single request and a full batch will step."""
+    drafter = runner.drafter.config.kind if runner.drafter is not None else "none"
+    ctx = sps.contexts[0] if sps.contexts else 0
+    def fastest(b):  # a plain step if profiled, else the smallest pass of that batch bucket
+        caps = [c for k, c, _ in sps.entries if k == b]
+        return sps.plain_at(b, ctx) or (sps.at(b, min(caps), ctx) if caps else 0.0)
+
+    bb = runner.batch_buckets[-1]
+    one, full = fastest(1), fastest(bb)
+    return (f"serving {name} (drafter: {drafter}, scheduler: {spec}, max batch {runner.B}): profiled "
+            f"{one:.1f} plain steps/s for one request, {full * bb:.0f} tokens/s for a full batch of {bb} "
+            f"(context {ctx}, before speculation)")

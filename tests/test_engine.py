@@ -292,3 +292,28 @@ def test_engine_with_pallas_kernels_matches_target_only(tiny):
     assert _run_greedy(core, prompts[:4], tag="pallas") == ref[:4]
     assert core.metrics()["tokens_per_step"] > 1.0
     assert core.pages.num_free == core.pages.num_pages
+
+
+def test_sps_table_is_profiled_smoothed_saved_and_reloaded(tiny, runners, tmp_path):
+    """Start-up profiles every step shape at two context lengths (and plain steps for dspark), smooths the
+    table to be monotone, writes it with --sps-out and reads it back with --sps-table instead of profiling."""
+    from serve.scheduler import SpsTable
+
+    path = str(tmp_path / "sps.json")
+    engine = create_engine(runner=runners["spec"], scheduler="dspark", max_model_len=80, progress=False,
+                           sps_out=path)
+    engine.stop()
+    table = SpsTable.load(path)
+    runner = runners["spec"]
+    assert table.covers(runner.verify_shapes()) and len(table.contexts) == 2
+    assert {bb for bb, _ in table.plain} == set(runner.batch_buckets)
+    for (bb, cap, ctx), v in table.entries.items():  # more tokens or a longer context never step faster
+        assert v > 0
+        assert all(v >= w for (b, c, x), w in table.entries.items() if b == bb and x == ctx and c > cap)
+        assert all(v >= w for (b, c, x), w in table.entries.items() if b == bb and c == cap and x > ctx)
+    again = create_engine(runner=runner, scheduler="dspark", max_model_len=80, progress=False, sps_table=path)
+    assert again.core.sps.entries == table.entries and again.core.sps.plain == table.plain
+    again.stop()
+    with pytest.raises(ValueError, match="not an SPS table"):
+        create_engine(runner=runner, scheduler="dspark", max_model_len=80, progress=False,
+                      sps_table=str(tmp_path / "missing.json"))
