@@ -1,7 +1,8 @@
 """Training throughput of one distillation step on the SmolLM2 config: anchor rows/s and block tokens/s.
 
     python scripts/bench_train_step.py --config configs/smollm2_dspark.yaml --anchors 8 --steps 5
-    python scripts/bench_train_step.py --config configs/smollm2_dspark.yaml --anchors 64 --set drafter.draft_vocab_size=8192
+    python scripts/bench_train_step.py --config configs/smollm2_dspark.yaml --anchors 64 \
+        --set drafter.draft_vocab_size=8192
 
 The batch is synthetic with the real shapes (tokens [S, T], anchors [S, A], precomputed target features
 [S, T, m·D] and hidden states [S, T, D]): a step's cost does not depend on the values. A reduced draft vocabulary

@@ -71,8 +71,7 @@ def test_sample_top_p_matches_the_filtered_distribution():
     for scale in (0.3, 6.0):
         logits = jax.random.normal(jax.random.key(1), (1, V)) * scale
         keys = jax.random.split(jax.random.key(2), n)
-        toks = jax.vmap(lambda k: sample_top_p(jnp.broadcast_to(logits, (1, V)), k[None], 0.7, 0.8,
-                                               candidates=8)[0])(keys)
+        toks = jax.vmap(lambda k, x=logits: sample_top_p(x, k[None], 0.7, 0.8, candidates=8)[0])(keys)
         freq = np.bincount(np.asarray(toks), minlength=V) / n
         want = np.asarray(filter_probs(logits, jnp.full(1, 0.7), jnp.zeros(1, jnp.int32),
                                        jnp.full(1, 0.8)))[0]

@@ -19,7 +19,6 @@ Shapes: cache [B, K, C, H] per layer; anchors, steps, live [B]; prefill tokens [
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Iterable
 
