@@ -2,9 +2,9 @@
 the level is debug; our own loggers keep their INFO lines; the progress bar draws only on a terminal.
 
 Oracles: records written through the real loggers into a captured stream; a real Orbax save/load of a tiny
-drafter (whose absl INFO lines the debug control shows); and the serving start-up path itself (load target and
-drafter, compile, profile, uvicorn, one request) in a fresh process, whose whole stderr must hold no
-third-party INFO line.
+drafter (whose absl INFO lines the debug control shows); and the server's own CLI started on a tiny target
+(load target and drafter, compile, profile, uvicorn, one request), whose whole output must hold no third-party
+INFO line.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
+import time
 
 import pytest
 
@@ -125,33 +125,6 @@ def test_progress_bar_draws_only_on_a_terminal():
         raise RuntimeError("closed on errors too")
 
 
-# The serving start-up path as serve/cli.py runs it once wired to dspark_jax.logs: configure_logging, then
-# create_engine (target, Orbax drafter load, bucket compilation, SPS profiling), uvicorn, one HTTP request.
-# With the root logger at INFO (serve/cli.py's logging.basicConfig today) this path prints jax's
-# "Unable to initialize backend 'tpu'", absl/orbax restore lines and uvicorn's start-up and access lines.
-START_UP = textwrap.dedent("""
-    import logging
-    from dspark_jax.logs import configure_logging, third_party_level
-    configure_logging({level!r})
-    import httpx
-    from serve.cli import chat_template_of
-    from serve.engine import create_engine
-    from serve.server import ServerThread, build_app
-    engine = create_engine(target={target!r}, drafter={drafter!r}, scheduler="fixed:2", max_batch=1,
-                           max_model_len=48, chunk_sizes=(32,), progress=False)
-    try:
-        app = build_app(engine, engine.tokenizer, chat_template=chat_template_of(engine))
-        with ServerThread(app, log_level=third_party_level({level!r})) as s:
-            body = {{"model": engine.model_name, "prompt": "t5 t6 t7", "max_tokens": 2}}
-            r = httpx.post(s.base_url + "/v1/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-    finally:
-        engine.stop()
-    logging.getLogger("serve.cli").info("START-UP OK")  # our own INFO lines do get through
-
-""")
-
-
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory):
     """A tiny random Llama with a word-level tokenizer and an untrained tiny DSpark drafter (Orbax)."""
@@ -169,10 +142,31 @@ THIRD_PARTY_INFO = re.compile(r"INFO (absl|orbax|jax|httpx|httpcore|uvicorn)|^IN
 
 
 @pytest.mark.slow
-def test_serving_start_up_prints_no_third_party_info(tiny_chat):
+def test_server_cli_start_up_prints_no_third_party_info(tiny_chat, tmp_path):
+    """`python -m dspark_jax.serve` at its default --log-level info: load target and drafter (Orbax), compile,
+    profile, uvicorn, one request, SIGTERM. Before serve/cli.py called configure_logging, this printed jax's
+    "Unable to initialize backend 'tpu'", a dozen absl/orbax restore lines and uvicorn's start-up and access lines."""
+    import httpx
+
     target, drafter = tiny_chat
-    code = START_UP.format(level="info", target=target, drafter=drafter)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "INFO serve.cli: START-UP OK" in proc.stderr, (proc.stdout + proc.stderr)[-3000:]
-    assert not THIRD_PARTY_INFO.search(proc.stderr), proc.stderr[-3000:]
-    assert not THIRD_PARTY_INFO.search(proc.stdout), proc.stdout[-3000:]
+    out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
+    cmd = [sys.executable, "-m", "dspark_jax.serve", "--target", target, "--drafter", drafter, "--scheduler",
+           "fixed:2", "--max-batch", "1", "--max-model-len", "48", "--port", "0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not (url := re.search(r"serving \S+ at (http://\S+)/v1", open(tmp_path / "stdout").read())):
+            assert proc.poll() is None, open(tmp_path / "stderr").read()[-3000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(1)
+        body = {"model": "any", "prompt": "t5 t6 t7", "max_tokens": 2}
+        model = httpx.get(url[1] + "/v1/models", timeout=60).json()["data"][0]["id"]
+        r = httpx.post(url[1] + "/v1/completions", json={**body, "model": model}, timeout=300)
+        assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    stdout, stderr = open(tmp_path / "stdout").read(), open(tmp_path / "stderr").read()
+    assert "compiled" in stdout  # the engine's own start-up lines still print
+    assert not THIRD_PARTY_INFO.search(stderr), stderr[-3000:]
+    assert not THIRD_PARTY_INFO.search(stdout), stdout[-3000:]
