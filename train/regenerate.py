@@ -131,7 +131,7 @@ class SlotDecoder:
         model = nnx.merge(self.target.graphdef, params)
         b, Tb = tokens.shape
         small = model.init_cache(b, Tb)
-        h, small, _ = model(tokens, small, lengths, compute_logits=False, kernels="reference")
+        h, small, _ = model(tokens, small, lengths, compute_logits=False, kernels="auto")
         logits = model.head(h[jnp.arange(b), lengths - 1])
         keys = jax.vmap(lambda i: row_key(self.base, i, 0))(indices)
         first = sample_top_p(logits, keys, self.s.temperature, self.s.top_p)
@@ -144,7 +144,7 @@ class SlotDecoder:
         """Feeds anchors [B] of live slots (dead slots do not advance) and samples the next tokens [B]."""
         self.traces["step"] += 1
         model = nnx.merge(self.target.graphdef, params)
-        logits, cache, _ = model(anchor[:, None], cache, live.astype(jnp.int32), kernels="reference")
+        logits, cache, _ = model(anchor[:, None], cache, live.astype(jnp.int32), kernels="auto")
         keys = jax.vmap(lambda i, t: row_key(self.base, i, t))(indices, steps)
         return cache, sample_top_p(logits[:, 0], keys, self.s.temperature, self.s.top_p)
 
