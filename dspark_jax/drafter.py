@@ -271,7 +271,10 @@ def load_drafter(path: str, target) -> Drafter:
     abstract = nnx.eval_shape(lambda: DrafterModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(0)))
     drafter = Drafter(cfg, abstract)
     drafter.check_target(target)
-    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(drafter.params))
+    # Restored onto one device whatever mesh saved it (a drafter trained across hosts loads anywhere).
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                               nnx.to_pure_dict(drafter.params))
     try:
         with ocp.StandardCheckpointer() as c:
             restored = c.restore(os.path.join(os.path.abspath(path), PARAMS_DIR), target_tree)
