@@ -29,3 +29,23 @@ def test_batched_path_equals_the_reference(q_lens, ctx_extra, Q):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
     assert not np.isnan(np.asarray(got)).any()
     np.testing.assert_array_equal(np.asarray(got)[sum(q_lens):], 0.0)
+
+
+def test_poisoned_positions_beyond_the_context_cannot_leak():
+    """The engine's jnp path: K/V slots past each request's context (NaN, huge values: what a freed page may
+    hold) change nothing, because values are zeroed as well as scores masked."""
+    from test_pallas_ragged_attention import make_inputs
+
+    ps = 16
+    args = make_inputs((2, 3, 1), (10, 17, 5), T=8, N=4, K=2, H=16, page_size=ps)
+    q, kp, vp, bt, ctx, qs = args
+    clean = ragged_verify_attention_reference(*args)
+    kp2, vp2 = np.array(kp), np.array(vp)
+    for r in range(len(ctx)):
+        for pos in range(int(ctx[r]), -(-int(ctx[r]) // ps) * ps):
+            kp2[bt[r, pos // ps], :, pos % ps] = 1e30
+            vp2[bt[r, pos // ps], :, pos % ps] = np.nan
+    unused = sorted(set(range(kp.shape[0])) - set(bt[bt >= 0].tolist()))
+    kp2[unused], vp2[unused] = np.nan, np.nan
+    out = batched_ragged_attention(q, jnp.asarray(kp2), jnp.asarray(vp2), bt, ctx, qs, max_q_len=3, chunk_tokens=16)
+    np.testing.assert_allclose(out, clean, rtol=1e-5, atol=1e-5)
