@@ -184,7 +184,7 @@ def test_smollm2_config(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_config_builds_transformers_config(smollm2):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     hf = transformers.LlamaConfig(**smollm2[0])
     assert hf.rope_parameters["rope_theta"] == 100000.0 and hf.head_dim == 64
 
@@ -196,8 +196,8 @@ def test_smollm2_tensors_equal_transformers_conversion(smollm2, smollm2_path):
     `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` needs `accelerate`, which we do not depend
     on; it calls the same `load_gguf_checkpoint` used here on a model built from the GGUF's config.
     """
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = os.path.split(smollm2_path)

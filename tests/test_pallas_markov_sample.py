@@ -116,7 +116,7 @@ def test_sampler_matches_softmax_chi_square():
     dependency (x_1 | x_0 through W1, W2), and block_v=4, split_v=4 exercises the chunk and split merges.
     p > 2.5e-4 per temperature: a false alarm rate under 0.05% for the pair.
     """
-    scipy_stats = pytest.importorskip("scipy.stats")
+    import scipy.stats as scipy_stats
     N, V, R = 16384, 8, 8
     k = jax.random.split(jax.random.key(7), 4)
     U0 = 0.5 * jax.random.normal(k[0], (1, 2, V))
