@@ -25,7 +25,7 @@ import random
 import sys
 import time
 
-DATA_DIR = "/work/shared/eval_datasets"
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "eval_datasets")
 # DeepSpec eval.py TASKS: (set, prompts), in Table 1's column order.
 TASKS = {"gsm8k": 500, "math500": 500, "aime25": 30, "mbpp": 256, "humaneval": 164, "livecodebench": 500,
          "mt-bench": 80, "alpaca": 500, "arena-hard-v2": 500}
