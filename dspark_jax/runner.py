@@ -223,7 +223,10 @@ class ModelRunner:
                  chunk_sizes: tuple[int, ...] = (32, 128), kernels: str = "auto", mesh=None):
         if drafter is not None and drafter.config.kind == "eagle3":
             raise ValueError("the paged round supports block drafters (dspark, dflash), not eagle3")
-        kernels_lib.KernelConfig.parse(kernels)
+        kcfg = kernels_lib.KernelConfig.parse(kernels)
+        if kernels_lib.use_pallas(kcfg.attention) and jax.default_backend() == "gpu" and page_size % 16:
+            raise ValueError(f"page_size={page_size}: the GPU attention kernel reads pages in blocks of 16 "
+                             "positions; use a multiple of 16 (or --kernels reference)")
         self.target, self.drafter = target, drafter
         self.B, self.page_size, self.max_pages = max_batch, page_size, max_pages
         self.chunk_sizes, self.kernels = tuple(sorted(chunk_sizes)), kernels
