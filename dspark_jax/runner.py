@@ -248,6 +248,7 @@ class ModelRunner:
             self.tparams = shard_params(self.tparams, mesh)
             if drafter is not None:
                 self.dparams = shard_params(self.dparams, mesh)
+        self._placeholders: dict = {}  # batch bucket → placeholder drafts of a plain step
         self._static = dict(tg=target.graphdef, dg=drafter.graphdef if drafter is not None else None,
                             hidden_layers=drafter.config.target_layers if drafter is not None else (),
                             kernels=kernels)
@@ -345,8 +346,6 @@ class ModelRunner:
 
     def _no_drafts(self, Bb: int):
         """Placeholder drafts for a plain step (never read: every ℓ is 0), kept on device per batch bucket."""
-        if not hasattr(self, "_placeholders"):
-            self._placeholders = {}
         if Bb not in self._placeholders:
             V = self.target.config.vocab_size
             self._placeholders[Bb] = (jnp.zeros((Bb, self.L), jnp.int32), jnp.zeros((Bb, self.L, V), jnp.float32),

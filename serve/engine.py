@@ -55,13 +55,12 @@ class _Req:
         return self.req.request_id
 
 
-def _token_logprob(lp, row: int, col: int | None, k: int) -> TokenLogprob:
-    """TokenLogprob from a pass's logprob arrays (chosen [R, L+1] or [..], top ids/logprobs [.., NTOP])."""
+def _token_logprob(token: int, lp, idx: tuple, k: int) -> TokenLogprob:
+    """TokenLogprob of `token` from a program's logprob arrays (chosen [...], top ids / logprobs [..., NTOP]) at
+    index `idx` (() for prefill's one token, (row, position) for a verify pass), keeping the top k."""
     chosen, ids, vals = lp
-    idx = (row,) if col is None else (row, col)
-    token_lp = float(chosen[idx])
     top = tuple((int(i), float(v)) for i, v in zip(ids[idx][:k], vals[idx][:k], strict=True))
-    return token_lp, top
+    return TokenLogprob(token_id=int(token), logprob=float(chosen[idx]), top=top)
 
 
 class EngineCore:
@@ -252,10 +251,7 @@ class EngineCore:
         self.prefilling.pop(0)
         r.committed = len(r.prompt)
         if r.anchor is None:  # a fresh request: the prefill's token is its first output
-            lps = [TokenLogprob(token_id=tok, logprob=float(lp[0]),
-                                top=tuple((int(i), float(v)) for i, v in zip(lp[1][: p.logprobs],
-                                                                              lp[2][: p.logprobs], strict=True)))
-                   ] if want_lp else None
+            lps = [_token_logprob(tok, lp, (), p.logprobs)] if want_lp else None
             out, lps, reason = self._take(r, [tok], lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
@@ -342,10 +338,7 @@ class EngineCore:
             k = r.req.params.logprobs
             lps = None
             if k is not None and res.logprobs is not None:
-                lps = []
-                for j in range(ne):
-                    token_lp, top = _token_logprob(res.logprobs, i, j, k)
-                    lps.append(TokenLogprob(token_id=emitted[j], logprob=token_lp, top=top))
+                lps = [_token_logprob(emitted[j], res.logprobs, (i, j), k) for j in range(ne)]
             self.stats["emitted_total"] += len(emitted)
             r.rounds += 1
             r.committed += m + 1
