@@ -33,11 +33,22 @@ def _restore_logging():
     root = logging.getLogger()
     names = [*THIRD_PARTY, *NOISY, *OURS, "dspark_jax", "serve", "train", "pallas_kernels"]
     saved = (root.level, list(root.handlers), {n: logging.getLogger(n).level for n in names})
+    # A server test earlier in the session may have run uvicorn in this process: its dictConfig gives the uvicorn
+    # loggers their own handlers (an access formatter that needs 5 arguments) and propagate=False. Start from
+    # plain loggers, as a fresh `python -m dspark_jax.serve` does before uvicorn starts, and put them back after.
+    own_handlers = {n: (list(lg.handlers), lg.propagate) for n in names if (lg := logging.getLogger(n)).handlers
+                    or not lg.propagate}
+    for n in own_handlers:
+        logging.getLogger(n).handlers[:] = []
+        logging.getLogger(n).propagate = True
     yield
     root.setLevel(saved[0])
     root.handlers[:] = saved[1]
     for n, lvl in saved[2].items():
         logging.getLogger(n).setLevel(lvl)
+    for n, (handlers, propagate) in own_handlers.items():
+        logging.getLogger(n).handlers[:] = handlers
+        logging.getLogger(n).propagate = propagate
     logging.captureWarnings(False)
 
 
