@@ -1,9 +1,11 @@
-"""Target-only decoding: ragged prefill, then one token per step — the baseline every speculative path must equal.
+"""`generate`: target-only and speculative decoding of a batch of prompts (the library entry point).
 
-Invariant shared with speculative decoding (spec_decode.py): after prefill the target cache holds the prompt
-and the *anchor* (the last emitted token) is not yet in the cache; each step feeds the anchor and samples the
-next one. Each batch row has its own PRNG stream, `fold_in(fold_in(key(seed), row), step)`, so a row's output
-does not depend on which other rows share its batch.
+`generate` runs the serving engine's round (dspark_jax/runner.py) for target-only and block-drafter decoding,
+and spec_decode.py's dense round for EAGLE-3. The dense `prefill` / `decode_step` here serve `propose`, the
+training features and the benchmarks. Invariant of every path: after prefill the target cache holds the prompt
+and the *anchor* (the last emitted token) is not yet in the cache; each round feeds the anchor. Row b of a
+batch has the request key fold_in(key(seed), b) and draws round r from it as dspark_jax/keys.py says, so a
+row's output does not depend on which other rows share its batch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.kernels import KernelConfig
+from dspark_jax.keys import VERIFY
 from dspark_jax.sampling import all_greedy, filter_probs, sample
+from dspark_jax.verification import acceptance_counts
 
 
 @dataclasses.dataclass
@@ -77,14 +81,15 @@ def decode_step(graphdef, params, cache, anchor, keys, step, temperature, top_k,
     model = nnx.merge(graphdef, params)
     logits, cache, _ = model(anchor[:, None], cache, kernels=kernels)
     probs = filter_probs(logits[:, 0], temperature, top_k, top_p)
-    return cache, sample(step_keys(keys, step), probs, all_greedy(temperature))
+    return cache, sample(step_keys(step_keys(keys, step), VERIFY), probs, all_greedy(temperature))
 
 
 @jax.jit
 def first_token(logits, keys, temperature, top_k, top_p):
-    """The token after the prompt, from prefill's last-position logits [B, V] (step 0 of each row's stream)."""
+    """The token after the prompt, from prefill's last-position logits [B, V] (round 0 of each row's stream,
+    drawn as in dspark_jax/keys.py: fold_in(fold_in(key, 0), VERIFY))."""
     probs = filter_probs(logits, temperature, top_k, top_p)
-    return sample(step_keys(keys, 0), probs, all_greedy(temperature))
+    return sample(step_keys(step_keys(keys, 0), VERIFY), probs, all_greedy(temperature))
 
 
 def sampling_arrays(batch: int, temperature: float, top_k: int, top_p: float):
@@ -121,40 +126,110 @@ class StopTracker:
         return taken
 
 
-def generate_target_only(target, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos,
-                         on_tokens=None, kernels="auto") -> GenerateResult:
-    """Plain autoregressive decoding with the target alone. See `dspark_jax.generate`."""
+PAGE_SIZE = 16  # positions per page (the GPU attention kernel reads pages in blocks of 16)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p, seed,
+                   ignore_eos, on_tokens=None, kernels="auto", on_round=None) -> GenerateResult:
+    """Target-only or speculative decoding of a batch through the serving engine's round
+    (dspark_jax/runner.py: the same prefill, draft and verify programs over paged caches).
+
+    Row b's stream is the request key `row_key_data(seed, B)[b]` (dspark_jax/keys.py). The host never waits
+    for a round before starting the next: round r+1 is dispatched from round r's device outputs
+    (`runner.advance`) and round r is read back while r+1 runs; a row found finished in round r is dropped
+    from round r+2 on (round r+1's output for it is discarded).
+    """
+    from dspark_jax.keys import row_key_data
+    from dspark_jax.policy import Policy
+    from dspark_jax.runner import ModelRunner, advance, pick
+
     B = len(prompts)
-    temp, tk, tp = sampling_arrays(B, temperature, top_k, top_p)
-    tokens, lens = pad_prompts(prompts)
-    cache = target.init_cache(B, round_up(int(lens.max()) + max_new_tokens + 1, 64))
-    keys = row_keys(seed, B)
+    sampling_arrays(B, temperature, top_k, top_p)  # validation
+    if drafter is None:
+        policy, L = Policy(kind="none"), 0
+    else:
+        drafter.check_target(target)
+        policy = policy if isinstance(policy, Policy) else Policy.parse(policy or "fixed")
+        if policy.kind in ("none", "dspark"):
+            raise ValueError(f"generate with a drafter takes fixed[:N], threshold:X or dspark-sync, not "
+                             f"{policy.kind!r}" + (" (the dspark policy needs the serving engine)"
+                                                   if policy.kind == "dspark" else ""))
+        if policy.needs_confidence and not drafter.config.confidence:
+            raise ValueError(f"policy {policy.kind!r} needs a confidence head; a {drafter.config.kind} drafter "
+                             "has none")
+        L = drafter.config.block_size
+    # One round can run past a row's stop before the host sees it: room for two rounds beyond max_new_tokens.
+    longest = max(len(p) for p in prompts) + max_new_tokens + 2 * (L + 1) + 1
+    max_pages = _pow2_at_least(-(-longest // PAGE_SIZE))
+    runner = ModelRunner(target, drafter, max_batch=B, num_pages=B * max_pages, page_size=PAGE_SIZE,
+                         max_pages=max_pages, kernels=kernels)
+    tables = np.arange(B * max_pages, dtype=np.int32).reshape(B, max_pages)
+    keys = row_key_data(seed, B)
     track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
+
     t0 = time.perf_counter()
-    logits, cache, _ = prefill(target.graphdef, target.params, jnp.asarray(tokens), cache, jnp.asarray(lens),
-                               kernels=kernels)
-    anchor = first_token(logits, keys, temp, tk, tp)
+    chunk = runner.chunk_sizes[-1]
+    anchors = np.zeros(B, np.int32)
+    for b, p in enumerate(prompts):  # chunked prefill; the token after the prompt is round 0 of the row's key
+        for start in range(0, len(p), chunk):
+            anchors[b], _ = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
+                                           top_p)
+        taken = track.push(b, anchors[b : b + 1])
+        if taken and on_tokens is not None:
+            on_tokens(b, taken)
     t1 = time.perf_counter()
-    step = 0
-    while True:
-        host = np.asarray(anchor)
-        for b in range(B):
-            taken = track.push(b, host[b : b + 1])
-            if taken and on_tokens is not None:
-                on_tokens(b, taken)
-        if track.done.all():
-            break
-        step += 1
-        cache, anchor = decode_step(target.graphdef, target.params, cache, anchor, keys, step, temp, tk, tp,
-                                    kernels=kernels)
+
+    batch = runner.empty_batch(B)
+    batch.lengths[:] = [len(p) for p in prompts]
+    batch.anchors[:], batch.block_tables[:], batch.keys[:] = anchors, tables, keys
+    batch.temperature[:], batch.top_k[:], batch.top_p[:], batch.rounds[:] = temperature, top_k, top_p, 1
+    dev = runner.device_batch(batch)
+    dev["active"] = jnp.asarray(~track.done)
+    capacity = pick(B * (policy.max_draft(L) + 1), runner.capacities)
+    attempts, accepts = np.zeros(L, np.int64), np.zeros(L, np.int64)
+    emitted_total = row_rounds = rounds = 0
+    pending = None
+    while not track.done.all():
+        out = runner.dispatch(dev, capacity=capacity, **({"policy": policy} if L else {"lengths": np.zeros(B)}))
+        dev = advance(dev, out.emitted, out.num_accepted)
+        if pending is not None:  # read the previous round while this one runs
+            live = ~track.done
+            emitted, num_emitted, m, ell, conf = jax.device_get(
+                (pending.emitted, pending.num_emitted, pending.num_accepted, pending.lengths,
+                 pending.confidence if on_round is not None else ()))
+            rounds += 1
+            for b in np.flatnonzero(live):
+                taken = track.push(b, emitted[b, : num_emitted[b]])
+                if taken and on_tokens is not None:
+                    on_tokens(b, taken)
+            if L:
+                if on_round is not None:
+                    on_round(live, ell, m, conf)
+                tried, took = acceptance_counts(ell, m, live, L)  # position-wise conditional acceptance (Fig. 2)
+                attempts += tried
+                accepts += took
+                emitted_total += int(num_emitted[live].sum())
+                row_rounds += int(live.sum())
+            if track.done.any():
+                dev["active"] = dev["active"] & jnp.asarray(~track.done)
+        pending = out
     t2 = time.perf_counter()
-    return GenerateResult(tokens=track.out, stats={"rounds": step + 1, "tau": 1.0},
-                          timings={"prefill_s": t1 - t0, "decode_s": t2 - t1})
+    if not L:
+        stats = {"rounds": rounds + 1, "tau": 1.0}
+    else:
+        stats = {"rounds": rounds, "tau": emitted_total / max(row_rounds, 1), "row_rounds": row_rounds,
+                 "acceptance_attempts": attempts.tolist(), "acceptance_accepts": accepts.tolist(),
+                 "conditional_acceptance": (accepts / np.maximum(attempts, 1)).tolist()}
+    return GenerateResult(tokens=track.out, stats=stats, timings={"prefill_s": t1 - t0, "decode_s": t2 - t1})
 
 
 def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, policy=None,
-             on_tokens=None, kernels: str | KernelConfig = "auto") -> GenerateResult:
+             on_tokens=None, kernels: str | KernelConfig = "auto", on_round=None) -> GenerateResult:
     """Generates continuations of token-id prompts, target-only or speculatively with a drafter.
 
     Args:
@@ -167,6 +242,8 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
         ignore_eos: keep going past EOS tokens.
         policy: speculative verification-length policy (see spec_decode.py); default verifies the full block.
         on_tokens: optional callback(row, new_tokens) for streaming.
+        on_round: optional callback(live bool [B], lengths [B], num_accepted [B], confidence [B, L]) after every
+            speculative round (host arrays), e.g. to collect calibration data.
         kernels: "auto" (Pallas on GPU/TPU), "pallas" (forced; interpreted on CPU), "reference", or a
             `kernels.KernelConfig` choosing per kernel.
 
@@ -182,8 +259,8 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               ignore_eos=ignore_eos, on_tokens=on_tokens, kernels=kernels)
     KernelConfig.parse(kernels)  # validates the modes
-    if drafter is None:
-        return generate_target_only(target, prompts, **kw)
-    from dspark_jax.spec_decode import generate_speculative
+    if drafter is not None and drafter.config.kind == "eagle3":  # drafts token by token from its own cache
+        from dspark_jax.spec_decode import generate_speculative
 
-    return generate_speculative(target, drafter, prompts, policy=policy, **kw)
+        return generate_speculative(target, drafter, prompts, policy=policy, **kw)
+    return generate_paged(target, drafter, prompts, policy=policy, **kw, on_round=on_round)

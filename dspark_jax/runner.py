@@ -19,6 +19,11 @@ test can prove that nothing recompiles after warm-up.
 
 The programs are module-level jitted functions (graphdefs and sizes static), so every runner of the same
 models shares their compiled executables.
+
+No host stalls (§5.2): `dispatch` starts a round and returns its device outputs without waiting; `advance`
+builds the next round's batch from them on device, so a caller dispatches round n+1 before reading round n
+back (`fetch`). `generate` and the engine both run this way; `step` is dispatch + fetch for callers that
+need the result at once.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +101,28 @@ class StepResult:
     logprobs: tuple | None = None  # (logprob [R, L+1], top ids [R, L+1, k], top logprobs [R, L+1, k])
 
 
+class Pass(NamedTuple):
+    """Device outputs of one dispatched round, rows of the whole batch bucket (nothing waited for)."""
+
+    emitted: jax.Array  # int32 [Bb, L+1] (−1 padded)
+    num_emitted: jax.Array  # int32 [Bb]
+    num_accepted: jax.Array  # int32 [Bb]
+    lengths: jax.Array  # int32 [Bb] verified draft tokens ℓ
+    confidence: jax.Array  # f32 [Bb, L]
+    logprobs: tuple  # (logprob [Bb, L+1], top ids [Bb, L+1, k], top logprobs [Bb, L+1, k]); zeros unless asked
+    capacity: int
+
+
+@jax.jit
+def advance(dev: dict, emitted, num_accepted) -> dict:
+    """The next round's device batch from this round's outputs, without the host: each active row commits
+    its anchor and accepted drafts (n → n + m + 1), the last emitted token becomes its anchor, round + 1."""
+    active, m = dev["active"], num_accepted
+    rows = jnp.arange(m.shape[0])
+    return {**dev, "lengths": jnp.where(active, dev["lengths"] + m + 1, dev["lengths"]),
+            "anchors": jnp.where(active, emitted[rows, m], dev["anchors"]), "rounds": dev["rounds"] + 1}
+
+
 def _logprob_outputs(logits, tokens, want):
     """Raw-model logprobs of `tokens` [..] under logits [.., V] and the top alternatives, only when `want`."""
     shape = tokens.shape
@@ -117,6 +145,11 @@ def _model_key(tg, dg) -> tuple:
     return hash(tg), hash(dg)
 
 
+def _pool_key(kv: PagedKV, tables) -> tuple[int, int]:
+    """(pages in the pool, pages per request): runners of one model with other pools trace their own programs."""
+    return kv.num_pages, tables.shape[-1]
+
+
 # ---- programs ---------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("tg", "dg", "hidden_layers", "kernels"), donate_argnames=("tkv", "dkv"))
 def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row, key, temp, top_k, top_p,
@@ -124,7 +157,7 @@ def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row
     """One chunk of one request's prompt at positions start..start+C−1 (C = the chunk bucket, n_real real):
     target K/V and the drafter's context written to its pages; returns the token sampled after the chunk's
     last real position (round 0 of the request's key) and its logprobs."""
-    TRACES[_model_key(tg, dg), "prefill", tokens.shape[0]] += 1
+    TRACES[_model_key(tg, dg), _pool_key(tkv, table_row), "prefill", tokens.shape[0]] += 1
     target = nnx.merge(tg, tparams)
     C = tokens.shape[0]
     pos = start + jnp.arange(C, dtype=jnp.int32)
@@ -147,7 +180,7 @@ def draft_program(tparams, dparams, dkv, block_tables, lengths, anchors, keys, r
                   tied, kernels):
     """Every row of the batch bucket drafts a block from its paged context → (draft [Bb, L], q [Bb, L, V],
     confidence [Bb, L]). Padding rows have no context and are ignored downstream."""
-    TRACES[(None, hash(dg)), "draft", anchors.shape[0]] += 1
+    TRACES[(None, hash(dg)), _pool_key(dkv, block_tables), "draft", anchors.shape[0]] += 1
     model = nnx.merge(dg, dparams)
     head = TargetHead.from_params(tparams, tied)
     h = drafter_block_hidden_paged(model, head, dkv, block_tables, lengths, anchors)
@@ -156,19 +189,23 @@ def draft_program(tparams, dparams, dkv, block_tables, lengths, anchors, keys, r
 
 
 @functools.partial(jax.jit, static_argnames=("tg", "dg", "capacity", "mode", "block_size", "hidden_layers",
-                                             "kernels"), donate_argnames=("tkv", "dkv"))
+                                             "kernels", "policy"), donate_argnames=("tkv", "dkv"))
 def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or_k, *, tg, dg, capacity, mode,
-                   block_size, hidden_layers, kernels):
-    """Schedule (mode "lengths": ℓ given; "topk": top-K fill of the current survival), one flat target pass
-    over the capacity bucket, lossless verification, commit of the drafter context.
+                   block_size, hidden_layers, kernels, policy=None):
+    """Schedule (mode "lengths": ℓ given; "topk": top-K fill of the current survival; "policy": `policy`'s
+    ℓ from the current confidences, on device), one flat target pass over the capacity bucket, lossless
+    verification, commit of the drafter context. The capacity must hold every active row's ℓ + 1 tokens.
 
     Returns (tkv, dkv, emitted [Bb, L+1], num_emitted [Bb], num_accepted [Bb], lengths [Bb], logprobs)."""
     L = block_size
     active, n, anchors, tables = batch["active"], batch["lengths"], batch["anchors"], batch["block_tables"]
     Bb = active.shape[0]
-    TRACES[_model_key(tg, dg), "verify", Bb, capacity, mode] += 1
+    TRACES[_model_key(tg, dg), _pool_key(tkv, tables), "verify", Bb, capacity,
+           mode if policy is None else str(policy)] += 1
     if mode == "topk":
         lengths = topk_fill(survival(conf), lengths_or_k, active)
+    elif mode == "policy":
+        lengths = jnp.where(active, policy.lengths(conf, L), 0) if L else jnp.zeros((Bb,), jnp.int32)
     else:
         lengths = jnp.where(active, jnp.clip(lengths_or_k, 0, L), 0)
     q_len = jnp.where(active, lengths + 1, 0).astype(jnp.int32)
@@ -258,7 +295,8 @@ class ModelRunner:
         """Python traces of this runner's programs, keyed (program, shape...): 1 each after warm-up."""
         s = self._static
         mine = {_model_key(s["tg"], s["dg"]), (None, hash(s["dg"]))}
-        return collections.Counter({k[1:]: v for k, v in TRACES.items() if k[0] in mine})
+        pool = (self.num_pages, self.max_pages)
+        return collections.Counter({k[2:]: v for k, v in TRACES.items() if k[0] in mine and k[1] == pool})
 
     @property
     def num_pages(self) -> int:
@@ -305,44 +343,69 @@ class ModelRunner:
                 "top_p": jnp.asarray(b.top_p, jnp.float32), "keys": jnp.asarray(b.keys, jnp.uint32),
                 "rounds": jnp.asarray(b.rounds, jnp.int32), "logprobs": jnp.asarray(b.logprobs, bool)}
 
-    def draft(self, b: StepBatch, dev: dict):
+    def draft(self, b: StepBatch, dev: dict | None = None):
         """(draft, q, confidence) device arrays for every row of the batch bucket."""
+        return self._draft(self.device_batch(b) if dev is None else dev)
+
+    def _draft(self, dev: dict):
         s = self._static
         return draft_program(self.tparams, self.dparams, self.dkv, dev["block_tables"], dev["lengths"],
                              dev["anchors"], dev["keys"], dev["rounds"], dev["temperature"], dev["top_k"],
                              dev["top_p"], dg=s["dg"], tied=self.target.config.tie_word_embeddings,
                              kernels=s["kernels"])
 
-    def step(self, b: StepBatch, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
-             drafts=None, dev: dict | None = None, want_confidence: bool = False) -> StepResult:
-        """One round's verification pass (drafting first unless `drafts` are given). Exactly one of `lengths`
-        (host ℓ per row) and `budget` (K for the top-K fill)."""
-        dev = self.device_batch(b) if dev is None else dev
-        Bb = b.lengths.shape[0]
+    def dispatch(self, dev: dict, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
+                 policy=None, drafts=None) -> Pass:
+        """Starts one round — draft pass (unless `drafts` are given, or "skip" for a plain step) and
+        verification pass — and returns its device outputs without waiting for them. Exactly one of
+        `lengths` (host ℓ per row), `budget` (K for the top-K fill) and `policy` (ℓ on device)."""
+        Bb = dev["active"].shape[0]
         if isinstance(drafts, str) and drafts == "skip":  # a plain step: no draft pass, ℓ = 0 for every row
             drafts = self._no_drafts(Bb)  # (the drafter's context is still written for the new token)
-            lengths, budget, want_confidence = np.zeros(Bb, np.int32), None, False
+            lengths, budget, policy = np.zeros(Bb, np.int32), None, None
         if self.drafter is not None and drafts is None:
-            drafts = self.draft(b, dev)
+            drafts = self._draft(dev)
         if drafts is None:  # target only
             drafts = (jnp.zeros((Bb, 0), jnp.int32), jnp.zeros((Bb, 0, 1), jnp.float32),
                       jnp.zeros((Bb, 0), jnp.float32))
         draft, q, conf = drafts
-        mode = "topk" if budget is not None else "lengths"
-        arg = jnp.int32(budget) if budget is not None else jnp.asarray(lengths, jnp.int32)
+        mode = "topk" if budget is not None else "policy" if policy is not None else "lengths"
+        arg = jnp.int32(budget if budget is not None else 0) if lengths is None else jnp.asarray(lengths, jnp.int32)
         s = self._static
         self.tkv, self.dkv, emitted, num_emitted, m, ls, lp = verify_program(
             self.tparams, self.dparams, self.tkv, self.dkv, dev, draft, q, conf, arg, tg=s["tg"], dg=s["dg"],
-            capacity=capacity, mode=mode, block_size=self.L, hidden_layers=s["hidden_layers"], kernels=s["kernels"])
-        R = b.rows
-        want_lp = bool(b.logprobs[:R].any())
-        fetch = (emitted, num_emitted, m, ls) + ((conf,) if (want_confidence and self.L) else ()) + \
-            ((lp,) if want_lp else ())
-        got = jax.device_get(fetch)
-        emitted, num_emitted, m, ls = (x[:R] for x in got[:4])
-        confidence = got[4][:R] if (want_confidence and self.L) else None
-        logprobs = tuple(x[:R] for x in got[-1]) if want_lp else None
-        return StepResult(emitted, num_emitted, m, ls, confidence, capacity, logprobs)
+            capacity=capacity, mode=mode, block_size=self.L, hidden_layers=s["hidden_layers"], kernels=s["kernels"],
+            policy=policy)
+        return Pass(emitted, num_emitted, m, ls, conf, lp, capacity)
+
+    def step(self, b: StepBatch, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
+             drafts=None, dev: dict | None = None, want_confidence: bool = False) -> StepResult:
+        """One round (`dispatch`), then `fetch` of its rows 0..R−1."""
+        dev = self.device_batch(b) if dev is None else dev
+        out = self.dispatch(dev, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts)
+        plain = isinstance(drafts, str) and drafts == "skip"
+        return self.fetch(out, b.rows, want_confidence=want_confidence and not plain,
+                          want_logprobs=bool(b.logprobs[: b.rows].any()))
+
+    def fetch(self, out: Pass, rows: int, *, want_confidence: bool = False, want_logprobs: bool = False) -> StepResult:
+        """Waits for a dispatched round and reads back what the host needs: rows 0..rows−1 of the emitted
+        tokens, counts and ℓ, and the confidences and logprobs only when asked for."""
+        want_confidence = want_confidence and self.L > 0
+        got = jax.device_get((out.emitted, out.num_emitted, out.num_accepted, out.lengths)
+                             + ((out.confidence,) if want_confidence else ())
+                             + ((out.logprobs,) if want_logprobs else ()))
+        emitted, num_emitted, m, ls = (x[:rows] for x in got[:4])
+        confidence = got[4][:rows] if want_confidence else None
+        logprobs = tuple(x[:rows] for x in got[-1]) if want_logprobs else None
+        return StepResult(emitted, num_emitted, m, ls, confidence, out.capacity, logprobs)
+
+    def advance(self, dev: dict, out: Pass, block_tables: np.ndarray | None = None) -> dict:
+        """The device batch of the round after `out`, built on device (`advance`), with fresh block tables
+        when pages were added; dispatching it needs no host read of `out`."""
+        nxt = advance(dev, out.emitted, out.num_accepted)
+        if block_tables is not None:
+            nxt["block_tables"] = jnp.asarray(block_tables, jnp.int32)
+        return nxt
 
     def _no_drafts(self, Bb: int):
         """Placeholder drafts for a plain step (never read: every ℓ is 0), kept on device per batch bucket."""
@@ -385,7 +448,7 @@ class ModelRunner:
             elif job[0] == "draft":
                 b = self.empty_batch(job[1])
                 b.rows = 0
-                jax.block_until_ready(self.draft(b, self.device_batch(b)))
+                jax.block_until_ready(self.draft(b))
             else:
                 _, bb, cap, mode = job
                 b = self.empty_batch(bb)

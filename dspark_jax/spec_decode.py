@@ -1,4 +1,7 @@
-"""Speculative decoding: `spec_step`, one pure jitted round, and `generate_speculative`, the loop around it.
+"""EAGLE-3's speculative round: `spec_step`, one pure jitted round over dense caches, and `generate_speculative`,
+the loop around it. `generate` sends EAGLE-3 drafters here because they draft token by token from their own
+growing cache, which the paged round does not hold; block drafters (DSpark, DFlash) and target-only decoding
+run the serving engine's round (dspark_jax/runner.py). The key scheme is the same (dspark_jax/keys.py).
 
 A round (paper Fig. 1), per row with n committed tokens and anchor x_n (emitted, not yet in the target cache):
   1. draft      — the drafter proposes x_{n+1..n+L} with draft probs q and confidences c (drafter.draft_block);
@@ -14,7 +17,6 @@ Non-anticipation: every policy here decides ℓ before (fixed, threshold) or wit
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -39,6 +41,7 @@ from dspark_jax.drafter_model import DrafterModel, TargetHead
 from dspark_jax.policy import Policy
 from dspark_jax.sampling import all_greedy, filter_probs
 from dspark_jax.verification import acceptance_counts, greedy_verify, verify
+
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "dcfg", "policy", "tied", "kernels"),
                    donate_argnames=("tcache", "dcache"))

@@ -84,7 +84,7 @@ def ours_run(target, prompts: np.ndarray, steps: int, sampler: bool):
     from dspark_jax.decoding import decode_step, prefill, round_up, row_keys, sampling_arrays
 
     B, P = prompts.shape
-    cache = target.init_cache(B, round_up(P + steps + 1, 64))  # as generate_target_only sizes it
+    cache = target.init_cache(B, round_up(P + steps + 1, 64))  # a dense cache of the prompt + new tokens
     temp, top_k, top_p = sampling_arrays(B, 0.0, 0, 1.0)
     keys = row_keys(0, B)
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 mkdir -p logs
 echo "$(date -u +%FT%TZ) prepare" >&2
 nice -n 19 python -m train prepare --out data_release/smollm2 --features-root data/smollm2 \
-    --chat 1600 --code 800 --math 800 --max-new-tokens 256 --max-prompt-tokens 256 --batch-size 64 \
+    --chat 1600 --code 800 --math 800 --max-new-tokens 256 --max-prompt-tokens 256 --batch-size 32 \
     --part-size 128 --seed 0 >> logs/regen_smollm2.log 2>&1
 for kind in dspark dflash dflash_deepspec eagle3; do
     echo "$(date -u +%FT%TZ) fit $kind" >&2

@@ -37,6 +37,33 @@ from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, T
 log = logging.getLogger("dspark_jax.serve")
 
 
+@dataclasses.dataclass
+class _Plan:
+    """A scheduler decision: the pass capacity and exactly one of host ℓ (`lengths`), the top-K `budget`, or a
+    plain step (`drafts` = "skip"); whether the round's confidences are read back (dspark)."""
+
+    capacity: int
+    lengths: np.ndarray | None
+    budget: int | None
+    drafts: object
+    want_confidence: bool
+
+
+@dataclasses.dataclass
+class _Round:
+    """A dispatched round: the runner's device outputs, its requests in row order, the device batch it ran
+    with, its pass index, R rows in a batch bucket of Bb, the plan, whether logprobs are read back."""
+
+    out: object
+    running: list
+    dev: dict | None
+    index: int
+    R: int
+    Bb: int
+    plan: _Plan
+    want_logprobs: bool = False
+
+
 @dataclasses.dataclass(eq=False)
 class _Req:
     req: EngineRequest
@@ -92,6 +119,9 @@ class EngineCore:
         self._admit_counter = itertools.count()
         self._conf_history: collections.deque = collections.deque(maxlen=2)  # (pass, {rid: conf [L]})
         self._plain_run = 0  # consecutive plain steps (dspark)
+        self._pipelined = hasattr(runner, "dispatch")  # the test mock runs every round synchronously
+        self._inflight: _Round | None = None  # a dispatched round not yet read back
+        self._stepping = False
         self.stats = collections.Counter()
         self.attempts, self.accepts = np.zeros(max(self.L, 1), np.int64), np.zeros(max(self.L, 1), np.int64)
 
@@ -170,7 +200,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self.waiting or self.prefilling or self.running or self._aborts)
+            return bool(self.waiting or self.prefilling or self.running or self._aborts or self._inflight
+                        or self._stepping)
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     def _emit(self, r: _Req, tokens: list[int], finish: str | None = None, error: str | None = None,
@@ -292,46 +323,105 @@ class EngineCore:
         return b
 
     def _decode(self) -> None:
+        """Runs the next round. With a pipelining runner the host never waits for a round before starting the
+        next: while the running set is unchanged, round n+1 is dispatched from round n's device outputs and
+        round n is read back while n+1 runs (§5.2). Any change (a finish, an abort, a new request, a short
+        pool, a scheduler that reads the current drafts) reads the round in flight first and starts afresh."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            chained = self._chain(inflight)
+            self._process(inflight)
+            if chained is not None:
+                self._inflight = chained
+                return
         need = {r.rid: r.committed + self.L + 1 for r in self.running}
         running = list(self._preempt_for(need))
         if not running:
             return
         b = self._step_batch(running)
         R, Bb = len(running), b.lengths.shape[0]
-        active = b.active
-        spec = self.spec
-        drafts = budget = lengths = dev = None
-        context = int(b.lengths[:R].max())
-        sps = self._sps_tokens(Bb, context)
-        if spec.kind == "dspark":
-            stale = self._stale_confidence(running, Bb)
-            budget = min(dspark_capacity(stale, active, self.L, sps), self.capacities[-1] - R)
-            capacity = pick_bucket(R + budget, self.capacities)
-            if self._plain_pays(stale, R, budget, sps, self.sps.plain_at(Bb, context)):
-                drafts, budget, capacity = "skip", None, pick_bucket(R, self.capacities)
-                self.stats["plain_steps_total"] += 1
+        dev = None
+        drafts, plan = None, None
+        if self.spec.syncs_on_drafts:  # ℓ from the current drafts' confidences, read back on the host
+            dev = self.runner.device_batch(b)
+            drafts = self.runner.draft(b, dev)
+            plan = self._plan(b.active, R, Bb, int(b.lengths[:R].max()), conf=np.asarray(drafts[2]))
         else:
-            conf = None
-            if spec.syncs_on_drafts:
-                dev = self.runner.device_batch(b)
-                drafts = self.runner.draft(b, dev)
-                conf = np.asarray(drafts[2])
-            lengths = host_lengths(spec, conf, active, self.L, sps)
-            capacity = pick_bucket(int(R + lengths.sum()), self.capacities)
-        res = self.runner.step(b, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts, dev=dev,
-                               want_confidence=spec.kind == "dspark")
-        if res.confidence is not None:
-            self._conf_history.append((self.stats["steps_total"], {r.rid: res.confidence[i]
-                                                                     for i, r in enumerate(running)}))
+            plan = self._plan(b.active, R, Bb, int(b.lengths[:R].max()))
+        if plan.drafts is None:
+            plan.drafts = drafts
+        want_lp = bool(b.logprobs[:R].any())
+        if not self._pipelined or self.spec.syncs_on_drafts:
+            res = self.runner.step(b, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
+                                   drafts=plan.drafts, dev=dev, want_confidence=plan.want_confidence)
+            self._process(_Round(None, running, None, self._count_pass(plan), R, Bb, plan), res)
+            return
+        dev = self.runner.device_batch(b) if dev is None else dev
+        out = self.runner.dispatch(dev, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
+                                   drafts=plan.drafts)
+        self._inflight = _Round(out, running, dev, self._count_pass(plan), R, Bb, plan, want_lp)
+
+    def _plan(self, active, R: int, Bb: int, context: int, conf=None) -> _Plan:
+        """The scheduler's choice for a round of R rows at the batch's longest `context`."""
+        sps = self._sps_tokens(Bb, context)
+        if self.spec.kind == "dspark":
+            stale = self._stale_confidence(self.running, Bb)
+            budget = min(dspark_capacity(stale, active, self.L, sps), self.capacities[-1] - R)
+            if self._plain_pays(stale, R, budget, sps, self.sps.plain_at(Bb, context)):
+                return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
+            return _Plan(pick_bucket(R + budget, self.capacities), None, budget, None, True)
+        lengths = host_lengths(self.spec, conf, active, self.L, sps)
+        return _Plan(pick_bucket(int(R + lengths.sum()), self.capacities), lengths, None, None, False)
+
+    def _count_pass(self, plan: _Plan) -> int:
+        """Numbers a dispatched pass (the clock of stale confidences) and counts its plain steps."""
+        index = self.stats["steps_total"]
         self.stats["steps_total"] += 1
+        if isinstance(plan.drafts, str):
+            self.stats["plain_steps_total"] += 1
+        return index
+
+    def _chain(self, prev: _Round) -> _Round | None:
+        """Dispatches the round after `prev` from its device outputs when nothing changed since `prev`
+        (same running requests, pages for two more blocks, a scheduler that needs no current drafts)."""
+        if self.spec.syncs_on_drafts or prev.running != self.running or any(r.done for r in prev.running):
+            return None
+        # The host's n lags by prev's commit (≤ L + 1), and this round writes L + 1 more.
+        if not all(self.pages.ensure(r.rid, r.committed + 2 * (self.L + 1)) for r in prev.running):
+            return None
+        Bb = prev.Bb
+        tables = np.full((Bb, self.runner.max_pages), self.pages.num_pages, np.int32)
+        for i, r in enumerate(prev.running):
+            tables[i] = self.pages.table_row(r.rid, self.pages.num_pages)
+        dev = self.runner.advance(prev.dev, prev.out, tables)
+        context = max(r.committed for r in prev.running) + self.L + 1
+        active = np.arange(Bb) < prev.R
+        plan = self._plan(active, prev.R, Bb, context)
+        out = self.runner.dispatch(dev, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
+                                   drafts=plan.drafts)
+        self.stats["chained_steps_total"] += 1
+        return _Round(out, prev.running, dev, self._count_pass(plan), prev.R, Bb, plan, prev.want_logprobs)
+
+    def _process(self, rnd: _Round, res=None) -> None:
+        """Reads a round's results (waiting for it if in flight) and commits them on the host: streamed
+        tokens, stops, n ← n + m + 1. Requests finished or aborted since it was dispatched are skipped."""
+        if res is None:
+            res = self.runner.fetch(rnd.out, rnd.R, want_confidence=rnd.plan.want_confidence,
+                                    want_logprobs=rnd.want_logprobs)
+        running, R = rnd.running, rnd.R
+        live = np.array([not r.done for r in running])
+        if res.confidence is not None:
+            self._conf_history.append((rnd.index, {r.rid: res.confidence[i] for i, r in enumerate(running)}))
         self.stats["verify_tokens_total"] += int(R + res.lengths[:R].sum())
-        self.stats["capacity_tokens_total"] += capacity
-        self.stats["row_steps_total"] += R
+        self.stats["capacity_tokens_total"] += res.capacity
+        self.stats["row_steps_total"] += int(live.sum())
         if self.L:
-            tried, took = acceptance_counts(res.lengths[:R], res.num_accepted[:R], np.ones(R, bool), self.L)
+            tried, took = acceptance_counts(res.lengths[:R], res.num_accepted[:R], live, self.L)
             self.attempts += tried
             self.accepts += took
         for i, r in enumerate(running):
+            if r.done:
+                continue
             m = int(res.num_accepted[i])
             ne = int(res.num_emitted[i])
             emitted = [int(t) for t in res.emitted[i, :ne]]
@@ -382,7 +472,15 @@ class EngineCore:
         return conf
 
     def step(self) -> bool:
-        """One engine iteration; returns whether anything ran."""
+        """One engine iteration; returns whether anything ran. `has_work` holds for its whole duration, so a
+        waiter never sees the engine idle between a request leaving the lists and its last output."""
+        self._stepping = True
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
+
+    def _step(self) -> bool:
         self._process_aborts()
         with self._lock:
             self._admit()
@@ -397,12 +495,13 @@ class EngineCore:
                 log.warning("request %s failed in prefill: %s", r.rid, e)
                 self._finish(r, [], "abort", error=f"prefill failed: {e}", status=400)
             worked = True
-        if self.running:
+        if self.running or self._inflight is not None:
             self._decode()
             worked = True
         return worked
 
     def fail_all(self, message: str) -> None:
+        self._inflight = None
         for r in list(self.by_id.values()):
             if not r.done:
                 self._finish(r, [], "abort", error=message, status=500)

@@ -207,6 +207,43 @@ class MockRunner:
                           None if confidence is None else confidence[:R], capacity)
 
 
+class PipelinedMockRunner(MockRunner):
+    """The mock with the pipelining surface of dspark_jax/runner.py (`dispatch`, `fetch`, `advance`): a round
+    runs when dispatched (so a round chained before the host read the previous one writes the cache first);
+    `advance` builds the next round's batch from the previous round's outputs alone, as the device does."""
+
+    def device_batch(self, b: StepBatch) -> dict:
+        return {"host": dataclasses.replace(b, lengths=b.lengths.copy(), anchors=b.anchors.copy(),
+                                            block_tables=b.block_tables.copy(), rounds=b.rounds.copy())}
+
+    def dispatch(self, dev, *, capacity, lengths=None, budget=None, policy=None, drafts=None):
+        assert policy is None
+        b = dev["host"]
+        res = self.step(b, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts,
+                        want_confidence=not (isinstance(drafts, str) and drafts == "skip"))
+        self.events.append(("dispatch", len(self.passes) - 1))
+        return len(self.passes) - 1, res
+
+    def fetch(self, out, rows: int, *, want_confidence=False, want_logprobs=False) -> StepResult:
+        index, out = out
+        assert out.emitted.shape[0] == rows
+        self.events.append(("fetch", index))
+        return dataclasses.replace(out, confidence=out.confidence if want_confidence else None)
+
+    def advance(self, dev, out, block_tables=None) -> dict:
+        out = out[1]
+        b = self.device_batch(dev["host"])["host"]
+        R = out.emitted.shape[0]
+        for i in range(R):
+            m = int(out.num_accepted[i])
+            b.lengths[i] += m + 1
+            b.anchors[i] = out.emitted[i, m]
+        b.rounds[:R] += 1
+        if block_tables is not None:
+            b.block_tables[:] = block_tables
+        return {"host": b}
+
+
 # ---- helpers --------------------------------------------------------------------------------------------------------
 class Outputs:
     """Thread-safe on_output sink; each output is stored with the engine step it arrived in."""
@@ -246,11 +283,12 @@ def continuation(prompt, max_tokens: int, stops=()) -> tuple[list[int], str]:
 
 
 def make_core(scheduler, *, B=2, L=4, page_size=4, max_model_len=40, num_pages=None, chunk_sizes=(4, 8),
-              capacities=None, eos=(), sps=None, **runner_kw):
+              capacities=None, eos=(), sps=None, pipelined=False, **runner_kw):
     max_pages = -(-(max_model_len + L + 1) // page_size)
     num_pages = num_pages or B * max_pages
-    runner = MockRunner(B=B, L=L, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
-                        capacities=capacities or capacity_buckets(B, L), chunk_sizes=chunk_sizes, **runner_kw)
+    kind = PipelinedMockRunner if pipelined else MockRunner
+    runner = kind(B=B, L=L, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+                  capacities=capacities or capacity_buckets(B, L), chunk_sizes=chunk_sizes, **runner_kw)
     core = EngineCore(runner, scheduler=scheduler, max_batch=B, num_pages=num_pages, page_size=page_size,
                       max_model_len=max_model_len, eos_token_ids=eos, sps=sps)
     return core, runner
@@ -339,6 +377,86 @@ def test_outputs_with_continuous_batching(scheduler):
     assert all_pages_free(core) and core.stats["preemptions_total"] == 0
     if scheduler == "none":
         assert all(rec.ell == dict.fromkeys(rec.ell, 0) for rec in runner.passes)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_pipelined_rounds_give_the_same_outputs(scheduler):
+    """With a pipelining runner, a round is dispatched before the previous one is read back whenever the running
+    set is unchanged (never for the schedulers that read the current drafts). Outputs, stop reasons and
+    contexts are those of the synchronous engine; rounds dispatched for a request that had already finished
+    are discarded; every page comes back."""
+    L = 0 if scheduler == "none" else 4
+    def conf(t, slot, seed, rnd):
+        return (((seed + rnd + np.arange(L)) % 4 + 1) / 4).astype(np.float32)
+
+    results = {}
+    for pipelined in (False, True):
+        core, runner = make_core(scheduler, B=3, L=L, accept=lambda seed, rnd: (seed + rnd) % (L + 1), conf=conf,
+                                 pipelined=pipelined, eos=(77,))
+        seeds = list(range(1, 11))
+        prompts = {s: [s * 50 + i for i in range(1 + (s * 5) % 12)] for s in seeds}
+        prompts[3] = [70]  # continues 71..77: stops at the EOS 77 after 6 tokens
+        max_tokens = {s: 1 + (s * 7) % 20 for s in seeds}
+        max_tokens[3] = 20
+        out = Outputs()
+        for s in seeds:
+            submit(core, out, f"r{s}", prompts[s], max_tokens[s], s)
+        drain(core, out)
+        full = {}
+        for s in seeds:
+            exp, reason = continuation(prompts[s], max_tokens[s], stops=(77,))
+            assert out.tokens(f"r{s}") == exp, (pipelined, s)
+            assert out.finish(f"r{s}") == reason, (pipelined, s)
+            full[s] = prompts[s] + continuation(prompts[s], max_tokens[s] + 2 * (L + 1))[0]
+        check_contexts(runner, full)
+        assert all_pages_free(core) and not core.has_work()
+        results[pipelined] = (core.stats, runner)
+    stats, runner = results[True]
+    chained = stats["chained_steps_total"]
+    if scheduler in ("threshold:0.5", "dspark-sync"):
+        assert chained == 0 and "dispatch" not in {e[0] for e in runner.events}
+    else:
+        assert chained > 0
+        # A chained round is dispatched before the round it follows is read back.
+        order = [e for e in runner.events if e[0] in ("dispatch", "fetch")]
+        pairs = zip(order, order[1:], strict=False)
+        assert any(a[0] == "dispatch" and b == ("fetch", a[1] - 1) for a, b in pairs), order[:12]
+        assert sorted(i for e, i in order if e == "fetch") == list(range(len(runner.passes)))  # each read once
+    assert results[False][0]["chained_steps_total"] == 0
+
+
+def test_pipelined_dspark_reads_confidences_two_passes_old():
+    """Chained dspark rounds size the pass from confidences of a pass ≥ 2 older, like synchronous ones: the
+    budget of pass t follows the confidence table of pass t − 2 (made distinct per pass here)."""
+    L = 4
+    def conf(t, slot, seed, rnd):  # pass t: every request's confidence is 1 before position t % 4, then 0
+        return (np.arange(L) < t % 4).astype(np.float32)
+
+    core, runner = make_core("dspark", B=2, L=L, conf=conf, pipelined=True, max_model_len=60)
+    out = Outputs()
+    submit(core, out, "a", [1, 2, 3], 40, seed=1)
+    submit(core, out, "b", [9, 8], 40, seed=2)
+    drain(core, out)
+    assert out.tokens("a") == continuation([1, 2, 3], 40)[0] and out.tokens("b") == continuation([9, 8], 40)[0]
+    both = [t for t, rec in enumerate(runner.passes) if rec.R == 2 and not rec.plain]
+    assert core.stats["chained_steps_total"] > 5
+    for t in both:
+        if t >= 2 and runner.passes[t - 2].R == 2 and runner.passes[t - 1].R == 2 and runner.passes[t].budget:
+            assert runner.passes[t].budget == 2 * ((t - 2) % 4), (t, runner.passes[t].budget)
+
+
+def test_abort_while_a_round_is_in_flight():
+    core, runner = make_core("fixed:3", B=2, L=3, pipelined=True)
+    out = Outputs()
+    submit(core, out, "a", [1, 2, 3], 30, seed=1)
+    submit(core, out, "b", [5, 6], 30, seed=2)
+    while core.stats["chained_steps_total"] < 2:
+        steps(core, out, 1)
+    assert core._inflight is not None
+    core.abort("a")
+    drain(core, out)
+    assert out.finish("a") == "abort" and out.tokens("b") == continuation([5, 6], 30)[0]
+    assert all_pages_free(core)
 
 
 # ---- chunked prefill ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`python -m train eval` (train/evaluate.py, which produces the README's τ table) on a tiny target, against an
 independent count.
 
-The count: every `spec_step` call is recorded (a pass-through wrapper), and the rounds are replayed with a
+The count: every round the runner dispatches is recorded (a pass-through wrapper), and the rounds are replayed with a
 stop rule written here (a row is live until it has delivered max_new_tokens or an EOS; the prefill gives the
 first token). τ = Σ emitted / Σ live request-rounds, conditional acceptance at position k = #(m > k) / #(m ≥ k)
 over live request-rounds (every draft token is verified under the fixed policy), and macro τ = the mean of the
@@ -18,7 +18,7 @@ import pytest
 from conftest import make_hf_model, save_word_tokenizer
 
 import dspark_jax
-import dspark_jax.spec_decode as spec_decode
+import dspark_jax.runner as runner
 from dspark_jax.target import load_target
 from train import evaluate
 
@@ -29,26 +29,33 @@ PROMPTS = {d: [" ".join(f"t{t}" for t in np.random.default_rng(10 * i + j).integ
 
 
 class Recorder:
-    """Wraps first_token and spec_step in dspark_jax.spec_decode; one entry per generate_speculative call."""
+    """Wraps the runner's prefill and round dispatch (dspark_jax/runner.py); one entry per `generate` call.
+    Rounds dispatched after a row stopped are recorded too: the replay ignores finished rows."""
 
     def __init__(self, monkeypatch):
         self.calls = []
-        first, step = spec_decode.first_token, spec_decode.spec_step
+        init, prefill, dispatch = runner.ModelRunner.__init__, runner.ModelRunner.prefill, runner.ModelRunner.dispatch
 
-        def first_token(*a, **k):
-            tok = first(*a, **k)
-            self.calls.append({"first": np.asarray(tok), "rounds": []})
-            return tok
+        def init_(obj, *a, **k):
+            init(obj, *a, **k)
+            self.calls.append({"first": [], "rounds": []})
 
-        def spec_step(*a, **k):
-            out = step(*a, **k)
-            _, _, _, emitted, num_emitted, lengths, m, conf = out
-            self.calls[-1]["rounds"].append({"emitted": np.asarray(emitted), "num_emitted": np.asarray(num_emitted),
-                                             "m": np.asarray(m), "conf": np.asarray(conf)})
+        def prefill_(obj, tokens, start, *a, **k):
+            out = prefill(obj, tokens, start, *a, **k)
+            assert start == 0, "one chunk per prompt here"
+            self.calls[-1]["first"].append(out[0])
             return out
 
-        monkeypatch.setattr(spec_decode, "first_token", first_token)
-        monkeypatch.setattr(spec_decode, "spec_step", spec_step)
+        def dispatch_(obj, *a, **k):
+            out = dispatch(obj, *a, **k)
+            self.calls[-1]["rounds"].append({"emitted": np.asarray(out.emitted),
+                                             "num_emitted": np.asarray(out.num_emitted),
+                                             "m": np.asarray(out.num_accepted), "conf": np.asarray(out.confidence)})
+            return out
+
+        monkeypatch.setattr(runner.ModelRunner, "__init__", init_)
+        monkeypatch.setattr(runner.ModelRunner, "prefill", prefill_)
+        monkeypatch.setattr(runner.ModelRunner, "dispatch", dispatch_)
 
 
 def independent_count(calls, max_new_tokens: int, L: int) -> dict:
@@ -76,7 +83,7 @@ def independent_count(calls, max_new_tokens: int, L: int) -> dict:
                     if int(t) == EOS or delivered[b] >= max_new_tokens:
                         done[b] = True
                         break
-        assert all(done), "generate_speculative stopped while a row was still live"
+        assert all(done), "generate stopped while a row was still live"
     return {"tau": emitted / rounds, "row_rounds": rounds, "attempts": attempts, "accepts": accepts,
             "m": np.array(ms), "conf": np.array(confs)}
 

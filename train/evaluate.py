@@ -25,7 +25,8 @@ def run_rounds(target, drafter, prompts: list[str], *, max_new_tokens: int, temp
                seed: int, progress=None):
     """Speculative decoding of chat prompts with the full block verified. Returns (stats summed over batches,
     confidence logits [N, L] and accepted counts [N] of every live request-round)."""
-    from dspark_jax.spec_decode import Policy, generate_speculative
+    from dspark_jax.decoding import generate
+    from dspark_jax.policy import Policy
 
     L = drafter.config.block_size
     ids = [target.chat_ids(p) for p in prompts]
@@ -39,9 +40,8 @@ def run_rounds(target, drafter, prompts: list[str], *, max_new_tokens: int, temp
         ms.append(m[live])
 
     for start in range(0, len(ids), batch_size):
-        res = generate_speculative(target, drafter, ids[start : start + batch_size], policy=Policy(kind="fixed"),
-                                   max_new_tokens=max_new_tokens, temperature=temperature, top_k=0, top_p=1.0,
-                                   seed=seed + start, ignore_eos=False, on_round=on_round)
+        res = generate(target, ids[start : start + batch_size], drafter, policy=Policy(kind="fixed"),
+                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + start, on_round=on_round)
         s = res.stats
         attempts += np.asarray(s["acceptance_attempts"])
         accepts += np.asarray(s["acceptance_accepts"])
