@@ -1,0 +1,316 @@
+"""The serving engine (serve/engine.py on dspark_jax/runner.py) on deployed paths that only greedy tests covered.
+
+- Pallas kernels (interpreted on CPU): sampled outputs at T = 1 follow the exact target distribution.
+- Filtered sampling (T = 0.7, top-k, top-p) under the threshold, dspark-sync and dspark schedulers follows the
+  exact *filtered* target distribution, built here in numpy from the target's logits (not `filter_probs`).
+- Logprobs: every emitted token's logprob and top alternatives (prefill's token, accepted draft tokens,
+  recovered and bonus tokens) equal the target's log_softmax over the same prefix, greedy and sampled.
+- A (data=2, model=4) mesh of 8 simulated devices: parameters are sharded and outputs equal single-device ones.
+
+One tiny target (V = 8, so joints over a few tokens can be enumerated) and one untrained DSpark drafter serve
+every test; every engine of the same kernels shares one ModelRunner, so its programs compile once (compiling
+dominates on CPU). The batch is small (max_batch 2) because prefill runs one chunk per engine step: requests of a
+few rounds overlap two at a time, and larger batch buckets would only add compile time. Requests are driven
+through `EngineCore.step` (the engine thread's loop body) so each test is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import make_hf_model, target_from_hf
+from flax import nnx
+from test_engine import _engine
+from test_spec_decode import V_SMALL, _chi2_pvalue, _drafter
+
+from serve.engine import create_engine
+from serve.scheduler import SpsTable
+from serve.types import EngineRequest, SamplingParams
+
+PROMPT = [3, 5, 2, 7, 4, 6, 1, 3, 5]  # 9 tokens: prefill in two chunks of the one chunk bucket (8)
+SIZES = dict(max_batch=2, max_model_len=24, page_size=4, chunk_sizes=(8,), profile=False)
+FILTERED = dict(temperature=0.7, top_k=5, top_p=0.94)  # on this target both filters remove mass (see oracle)
+CONF_LOGITS = np.array([2.5, -1.5, 0.5, 3.0, -0.5, 1.5, -2.5, 1.0])  # per previous token x (V = 8)
+# Sampled requests run on past the tokens a chi-square scores: prefill takes one chunk per engine step, so only
+# requests that live a few rounds overlap, and the passes then hold two rows (the top-K fill has a choice).
+LIVE_TOKENS = 8
+ALPHA = 1e-3  # false-alarm probability of each chi-square test (fixed seeds: a pass is reproducible)
+
+
+def _models(tmpdir: str):
+    """(target, drafter), deterministic (the mesh subprocess rebuilds the same ones).
+
+    Target: tied llama, V = 8, 8 heads / 4 KV heads (a 4-way model axis divides heads, KV heads, FFN 96 and V);
+    embeddings × 1.5 give a next-token distribution that is neither flat nor nearly one-hot (top-1 ≈ 0.5 at
+    T = 1), whose greedy choice repeats the last token. Drafter: untrained DSpark (it proposes the anchor again,
+    so draft 1 is often accepted and drafts 2–3 often not) with a confidence head set by hand (below)."""
+    hf = make_hf_model("llama", tied=True, vocab_size=V_SMALL, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+                       num_attention_heads=8, num_key_value_heads=4)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(1.5)
+    target = target_from_hf(hf, tmpdir)
+    drafter = _drafter(target, "dspark", 3, seed=1, num_layers=1, markov_rank=8)
+    # Confidence by previous token alone: conf_w = [0 on h; w on W1[x]] with W1 w = a fixed spread of logits,
+    # so c_k = sigmoid(CONF_LOGITS[x_{k-1}]) and the confidence-driven schedulers pick different ℓ per row.
+    pure = nnx.to_pure_dict(drafter.params)
+    w_e = np.linalg.solve(np.asarray(pure["markov_w1"], np.float64), CONF_LOGITS)
+    pure["conf_w"] = jnp.concatenate([jnp.zeros(pure["conf_w"].shape[0] - w_e.size), jnp.asarray(w_e, jnp.float32)])
+    pure["conf_b"] = jnp.zeros_like(pure["conf_b"])
+    params = jax.tree.map(lambda x: x, drafter.params)
+    nnx.replace_by_pure_dict(params, pure)
+    return target, drafter.with_params(params)
+
+
+def _sloping_sps(runner, plain: float | None = None) -> SpsTable:
+    """A hand-made cost model: steps/s falls with the pass's tokens, steeply in the largest capacity bucket (so
+    two rows cannot verify all their drafts and dspark's top-K fill must choose between them), and optionally a
+    plain-step rate (dspark then skips the draft pass when the stale survival is low)."""
+    top = max(runner.capacities)
+    entries = {(bb, cap, 0): (0.25 if cap == top else 1.0) / (1.0 + 0.05 * cap) for bb, cap in runner.verify_shapes()}
+    return SpsTable(entries, {} if plain is None else {(bb, 0): plain for bb in runner.batch_buckets})
+
+
+def _core(runner, scheduler: str, plain: float | None = None):
+    core = create_engine(runner=runner, scheduler=scheduler, profile=False, progress=False).core_only()
+    core.set_sps(_sloping_sps(runner, plain))
+    return core
+
+
+def _run(core, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    """Submits every request, drives the core until idle → {id: [RequestOutput, ...]}."""
+    outs: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        core.add_request(EngineRequest(request_id=rid, prompt_ids=prompt, params=params,
+                                       on_output=lambda o: outs[o.request_id].append(o)))
+    while core.has_work():
+        core.step()
+    assert core.pages.num_free == core.pages.num_pages
+    return outs
+
+
+def _tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def _sample(core, n: int, max_tokens: int, seed0: int, **params) -> np.ndarray:
+    """int [n, max_tokens]: n requests of PROMPT, seeded seed0 + i."""
+    reqs = {str(i): (PROMPT, SamplingParams(max_tokens=max_tokens, seed=seed0 + i, ignore_eos=True, **params))
+            for i in range(n)}
+    outs = _run(core, reqs)
+    return np.array([_tokens(outs[str(i)]) for i in range(n)])
+
+
+# ---- the oracle: exact joint of the (filtered) target, in numpy -------------------------------------------------
+def _filtered_np(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The filtered next-token distribution of one logit row [V] (f64), written from sampling.py's documented
+    semantics, not its code: softmax(logits / T); top-k keeps every token >= the k-th largest (ties kept);
+    top-p then walks the top-k-renormalised distribution in descending order (ties: lower index first) and keeps
+    a token while the mass strictly before it is < top_p (so the crossing token is kept), the first always."""
+    z = logits.astype(np.float64) / temperature
+    order = sorted(range(z.size), key=lambda i: (-z[i], i))
+    keep = np.ones(z.size, bool)
+    if top_k:
+        keep &= z >= z[order[top_k - 1]]
+    p = np.where(keep, np.exp(z - z.max()), 0.0)
+    p /= p.sum()
+    if top_p < 1.0:
+        before, nucleus = 0.0, np.zeros(z.size, bool)
+        for rank, i in enumerate(order):
+            if not keep[i]:
+                break
+            # The oracle must not hinge on rounding (f32 errors are ~1e-7): no mass-before may sit at top_p.
+            assert abs(before - top_p) > 1e-5, (before, top_p)
+            nucleus[i] = rank == 0 or before < top_p
+            before += p[i]
+        p = np.where(nucleus, p, 0.0)
+    return p / p.sum()
+
+
+def _padded_logits(target, rows: list[list[int]]) -> np.ndarray:
+    """Target logits f64 [len(rows), 24, V] of right-padded rows (causal: padding never changes earlier
+    positions); one shape for every call, so `target.logits` compiles once."""
+    ids = np.zeros((64, SIZES["max_model_len"]), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    return np.asarray(target.logits(ids), np.float64)[:len(rows)]
+
+
+def _exact_joint(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """P(x1, x2, x3 | PROMPT) [V, V, V] from the logits of PROMPT + every (x1, x2)."""
+    V, n = V_SMALL, len(PROMPT)
+    joint = np.zeros((V,) * 3)
+    for j, (a, b) in enumerate(itertools.product(range(V), repeat=2)):
+        p = [_filtered_np(logits[j, n - 1 + i], temperature, top_k, top_p) for i in range(3)]
+        joint[a, b] = p[0][a] * p[1][b] * p[2]
+    return joint
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target, drafter = _models(str(tmp_path_factory.mktemp("v8")))
+    logits = _padded_logits(target, [PROMPT + [a, b] for a, b in itertools.product(range(V_SMALL), repeat=2)])
+    return target, drafter, logits
+
+
+@pytest.fixture(scope="module")
+def runner(models):
+    """The reference-kernel device side, compiled once for every scheduler of this module."""
+    target, drafter, _ = models
+    return _engine(target, drafter, "fixed:3", **SIZES).core_only().runner
+
+
+def _chi2(tokens: np.ndarray, joint: np.ndarray) -> tuple[float, float]:
+    """(p-value, count outside the support) of sampled token tuples [N, n] against a joint [V]*n."""
+    n = tokens.shape[0]
+    counts = np.bincount(np.ravel_multi_index(tokens.T, joint.shape), minlength=joint.size).astype(float)
+    return _chi2_pvalue(counts, joint.reshape(-1) * n), float(counts[joint.reshape(-1) == 0].sum())
+
+
+# ---- 1. Pallas kernels ------------------------------------------------------------------------------------------
+def test_sampled_outputs_with_pallas_kernels_follow_the_target(models):
+    """kernels="pallas" (ragged attention in prefill and verification, the fused Markov sampler drafting; the
+    GPU/TPU path, interpreted here) under the dspark scheduler: two tokens at T = 1 over V = 8 (64 cells)
+    follow the exact joint. Token 1 comes from the two-chunk prefill, token 2 from a verification pass; the
+    requests run on, so passes pack two requests into the ragged kernel's flat batch."""
+    import scipy  # noqa: F401  (a dev dependency: missing, the test fails rather than skips)
+
+    target, drafter, logits = models
+    # page_size 16, as the GPU kernel requires (on CPU any size would do).
+    core = _engine(target, drafter, "dspark", kernels="pallas", **{**SIZES, "page_size": 16}).core_only()
+    core.set_sps(_sloping_sps(core.runner))
+    N = 1500
+    tokens = _sample(core, N, LIVE_TOKENS, seed0=0, temperature=1.0)[:, :2]
+    joint = _exact_joint(logits, 1.0).sum(-1)
+    pvalue, outside = _chi2(tokens, joint)
+    assert pvalue > ALPHA and outside == 0, pvalue
+    took, tried = core.accepts[0], core.attempts[0]
+    assert 0 < took < tried, (took, tried)  # draft 1 was accepted sometimes and rejected (recovered) sometimes
+
+
+# ---- 2. filtered sampling under every scheduler -----------------------------------------------------------------
+@pytest.mark.parametrize("scheduler", ["threshold:0.3", "dspark-sync", "dspark"])
+def test_filtered_sampling_follows_the_filtered_target(models, runner, scheduler):
+    """T = 0.7, top_k = 5, top_p = 0.94: three tokens follow the exact joint of the filtered target (52 of 512
+    cells in its support) and no token outside it is ever emitted. The drafter samples from its own filtered
+    distribution, so drafts are both accepted and rejected at every position."""
+    _, _, logits = models
+    core = _core(runner, scheduler)
+    N = 1000
+    tokens = _sample(core, N, LIVE_TOKENS, seed0=10_000, **FILTERED)[:, :3]
+    joint = _exact_joint(logits, **FILTERED)
+    pvalue, outside = _chi2(tokens, joint)
+    assert outside == 0
+    assert pvalue > ALPHA, pvalue
+    # Drafts were accepted and rejected at every position, and ℓ varied: some passes verified every draft,
+    # others fewer (the confidence-driven schedulers really chose).
+    assert np.all(core.accepts > 0) and np.all(core.accepts < core.attempts), (core.accepts, core.attempts)
+    s, L = core.stats, runner.L
+    assert core.attempts[-1] > 0 and s["verify_tokens_total"] < (L + 1) * s["row_steps_total"], s
+
+
+# ---- 3. logprobs ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheduler", ["fixed:3", "dspark"])
+def test_logprobs_equal_the_targets_log_softmax(models, runner, scheduler):
+    """Every emitted token's logprob and its top alternatives equal log_softmax(target logits) at that prefix,
+    for prefill's token, accepted draft tokens, recovered tokens and bonus tokens; greedy requests alone (the
+    greedy verification path), then sampled ones mixed with greedy (raw logprobs: before temperature and
+    filters). dspark is given a plain-step rate, so passes without drafts report logprobs too."""
+    target, _, _ = models
+    core = _core(runner, scheduler, plain=1.2 if scheduler == "dspark" else None)
+    prompts = [PROMPT, [4], [7, 7, 2, 6, 1, 0, 5, 3, 2, 4, 6, 1], [2, 5, 5]]  # 1 or 2 prefill chunks
+    greedy = {"temperature": 0.0}
+    waves = [  # logprobs=None: none reported; 0: the token's own only; 20 > V: all V alternatives
+        {f"g{i}": (p, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=k, **greedy))
+         for i, (p, k) in enumerate(zip(prompts, [5, 0, 20, None], strict=True))},
+        {f"s{i}": (prompts[i % 4], SamplingParams(max_tokens=10, seed=i, ignore_eos=True, logprobs=k, **params))
+         for i, (k, params) in enumerate(zip([3, 8, None, 1, 5, 2, 0, 4, 20, 6, 7, None] * 2, [
+             {"temperature": 1.0}, greedy, {"temperature": 1.0}, FILTERED] * 6, strict=True))},
+    ]
+    for wave in waves:
+        outs = _run(core, wave)
+        rows = {rid: prompt + _tokens(outs[rid]) for rid, (prompt, _) in wave.items()}
+        ref = dict(zip(rows, _padded_logits(target, list(rows.values())), strict=True))
+        for rid, (prompt, params) in wave.items():
+            toks = _tokens(outs[rid])
+            assert len(toks) == 10, rid
+            if params.logprobs is None:
+                assert all(o.logprobs is None for o in outs[rid]), rid
+                continue
+            lps = [lp for o in outs[rid] for lp in o.logprobs]
+            assert [lp.token_id for lp in lps] == toks, rid
+            for j, lp in enumerate(lps):
+                z = ref[rid][len(prompt) - 1 + j]
+                exact = z - z.max() - np.log(np.exp(z - z.max()).sum())  # log_softmax in f64
+                np.testing.assert_allclose(lp.logprob, exact[toks[j]], atol=1e-4, err_msg=f"{rid} token {j}")
+                top = sorted(range(V_SMALL), key=lambda v: -exact[v])[:min(params.logprobs, V_SMALL)]
+                assert [t for t, _ in lp.top] == top, (rid, j, lp.top)
+                np.testing.assert_allclose([v for _, v in lp.top], exact[top], atol=1e-4)
+    # Every kind of emitted token was checked: accepted drafts, rejected ones (then a recovered token), all
+    # three accepted (then a bonus token), and (dspark) passes without drafts as well as with.
+    assert core.accepts[0] > 0 and np.any(core.accepts < core.attempts) and core.accepts[-1] > 0, core.accepts
+    if scheduler == "dspark":
+        assert 0 < core.stats["plain_steps_total"] < core.stats["steps_total"], core.stats
+
+
+# ---- 4. a mesh with a data axis ---------------------------------------------------------------------------------
+MESH_REQUESTS = [(PROMPT, dict(temperature=0.0)), ([4, 6], dict(temperature=0.0)),
+                 ([7, 7, 2, 6, 1, 0, 5, 3, 2, 4, 6], dict(temperature=0.0)),
+                 (PROMPT, dict(temperature=1.0, seed=3)), ([2, 5, 5], dict(FILTERED, seed=4))]
+
+MESH_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    from flax import nnx
+    sys.path.insert(0, {tests!r})
+    import test_engine_sampling as t
+    from test_engine import _engine
+    assert jax.device_count() == 8
+    target, drafter = t._models({tmp!r})
+    core = _engine(target, drafter, "fixed:3", mesh_shape=(2, 4), **t.SIZES).core_only()
+    runner = core.runner
+    specs = {{}}
+    for side, params in (("target", runner.tparams), ("drafter", runner.dparams)):
+        for path, x in nnx.traversals.flatten_mapping(nnx.to_pure_dict(params)).items():
+            s = x.sharding
+            specs[side + "." + ".".join(map(str, path))] = [str(s.spec), dict(s.mesh.shape), len(s.device_set)]
+    json.dump({{"outputs": t._mesh_outputs(core), "specs": specs}}, open({out!r}, "w"))
+""")
+
+
+def _mesh_outputs(core) -> list[list[int]]:
+    reqs = {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True, **kw))
+            for i, (p, kw) in enumerate(MESH_REQUESTS)}
+    outs = _run(core, reqs)
+    return [_tokens(outs[str(i)]) for i in range(len(reqs))]
+
+
+def test_engine_on_a_data_and_model_mesh_matches_single_device(runner, tmp_path):
+    """mesh_shape (2, 4) on 8 simulated CPU devices: the attention and MLP weights of target and drafter are
+    split over `model` on a mesh with data = 2, and greedy and seeded sampled outputs equal the single-device
+    engine's (same models, scheduler and seeds). Not asserted: the paged KV pools, which no sharding rule places
+    (ModelRunner allocates them on one device; XLA's propagation shards them over `model` after the first
+    program), nor any use of the `data` axis (batch rows and pools are replicated over it)."""
+    single = _mesh_outputs(_core(runner, "fixed:3"))
+    out = tmp_path / "out.json"
+    code = MESH_SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path / "m"), out=str(out))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["outputs"] == single
+    specs = res["specs"]
+    split = [k for k in specs if any(w in k for w in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp."))]
+    assert len(split) == 7 * 4, sorted(specs)  # q, k, v, o, gate, up, down of 3 target and 1 drafter layer
+    for name in split:
+        spec, mesh, devices = specs[name]
+        assert "model" in spec and mesh == {"data": 2, "model": 4} and devices == 8, (name, specs[name])
