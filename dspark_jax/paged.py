@@ -37,10 +37,12 @@ class PagedKV:
 
     @classmethod
     def init(cls, *, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
-             dtype=jnp.float32) -> PagedKV:
+             dtype=jnp.float32, sharding=None) -> PagedKV:
+        """Zero pools; with `sharding` (dspark_jax/sharding.py's `paged_sharding`) each device allocates only
+        its own shard, so a pool larger than one device's memory can be built on a mesh."""
         shape = (num_pages, num_kv_heads, page_size, head_dim)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+        return cls(k=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)))
 
     @property
     def num_pages(self) -> int:

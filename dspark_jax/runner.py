@@ -270,15 +270,19 @@ class ModelRunner:
         self.L = drafter.config.block_size if drafter is not None else 0
         self.batch_buckets = pow2_buckets(max_batch)
         self.capacities = pow2_buckets(max_batch * (self.L + 1))
+        from dspark_jax.sharding import paged_sharding
+
         tc = target.config
         self.tkv = PagedKV.init(num_layers=tc.num_layers, num_pages=num_pages, num_kv_heads=tc.num_kv_heads,
-                                page_size=page_size, head_dim=tc.head_dim, dtype=target.dtype)
+                                page_size=page_size, head_dim=tc.head_dim, dtype=target.dtype,
+                                sharding=paged_sharding(mesh, tc.num_kv_heads) if mesh is not None else None)
         self.dkv = None
         self.tparams, self.dparams = target.params, (drafter.params if drafter is not None else None)
         if drafter is not None:
             dc = drafter.config
             self.dkv = PagedKV.init(num_layers=dc.num_layers, num_pages=num_pages, num_kv_heads=dc.num_kv_heads,
-                                    page_size=page_size, head_dim=dc.head_dim, dtype=target.dtype)
+                                    page_size=page_size, head_dim=dc.head_dim, dtype=target.dtype,
+                                    sharding=paged_sharding(mesh, dc.num_kv_heads) if mesh is not None else None)
         if mesh is not None:
             from dspark_jax.sharding import shard_params
 

@@ -28,6 +28,10 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 # The KV cache [B, K, S, H]: rows over `data`, KV heads over `model`.
 CACHE_AXES = ("data", "model", None, None)
+# The serving engine's page pools [P, K, page_size, H]: KV heads over `model`, as the attention weights that
+# write them. Pages are not split over `data`: any request may own any page, so each data replica holds the
+# whole pool (the engine's batch is not split over `data` either: on a mesh with data > 1 it is replicated).
+PAGED_AXES = (None, "model", None, None)
 
 
 def make_mesh(data: int = 1, model: int = 1) -> jax.sharding.Mesh:
@@ -68,3 +72,8 @@ def shard_cache(cache: KVCache, mesh) -> KVCache:
     rows = NamedSharding(mesh, _spec(("data",), cache.lengths.shape, mesh))
     return KVCache(k=tuple(map(put, cache.k)), v=tuple(map(put, cache.v)),
                    lengths=jax.device_put(cache.lengths, rows))
+
+
+def paged_sharding(mesh, num_kv_heads: int) -> NamedSharding:
+    """The sharding of a page pool [P, K, page_size, H] on `mesh` (KV heads over `model` when they divide)."""
+    return NamedSharding(mesh, _spec(PAGED_AXES, (1, num_kv_heads, 1, 1), mesh))

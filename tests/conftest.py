@@ -5,6 +5,14 @@ from __future__ import annotations
 import json
 import os
 
+# The suite compiles a few hundred small XLA:CPU programs and runs each a few times, so LLVM's optimisation
+# passes are most of its time: tests compile with them off (about a third faster; what a test checks —
+# equality, distributions, shapes — does not depend on them). Benchmarks, the server smoke run and users
+# compile with XLA's defaults. DSPARK_TEST_XLA_DEFAULTS=1 runs the suite with the defaults too.
+if os.environ.get("DSPARK_TEST_XLA_DEFAULTS") != "1":
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+                                        "--xla_llvm_disable_expensive_passes=true"]).strip()
+
 import numpy as np
 import pytest
 

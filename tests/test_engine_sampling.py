@@ -283,7 +283,22 @@ MESH_SCRIPT = textwrap.dedent("""
         for path, x in nnx.traversals.flatten_mapping(nnx.to_pure_dict(params)).items():
             s = x.sharding
             specs[side + "." + ".".join(map(str, path))] = [str(s.spec), dict(s.mesh.shape), len(s.device_set)]
-    json.dump({{"outputs": t._mesh_outputs(core), "specs": specs}}, open({out!r}, "w"))
+
+    def pools(when, runner):
+        for side, kv in (("tkv", runner.tkv), ("dkv", runner.dkv)):
+            for i, x in enumerate(kv.k + kv.v):
+                s = x.sharding
+                specs[f"{{when}}.{{side}}.{{i}}"] = [(list(s.spec) + [None] * 4)[:4], dict(s.mesh.shape),
+                                                   len(s.device_set),
+                                                   x.addressable_shards[0].data.shape[1]]
+
+    from dspark_jax.runner import ModelRunner
+    from dspark_jax.sharding import make_mesh
+    fresh = ModelRunner(target, drafter, max_batch=2, num_pages=8, page_size=4, max_pages=4, mesh=make_mesh(2, 4))
+    pools("start", fresh)  # as allocated, before any program ran
+    outputs = t._mesh_outputs(core)
+    pools("served", runner)
+    json.dump({{"outputs": outputs, "specs": specs}}, open({out!r}, "w"))
 """)
 
 
@@ -297,9 +312,9 @@ def _mesh_outputs(core) -> list[list[int]]:
 def test_engine_on_a_data_and_model_mesh_matches_single_device(runner, tmp_path):
     """mesh_shape (2, 4) on 8 simulated CPU devices: the attention and MLP weights of target and drafter are
     split over `model` on a mesh with data = 2, and greedy and seeded sampled outputs equal the single-device
-    engine's (same models, scheduler and seeds). Not asserted: the paged KV pools, which no sharding rule places
-    (ModelRunner allocates them on one device; XLA's propagation shards them over `model` after the first
-    program), nor any use of the `data` axis (batch rows and pools are replicated over it)."""
+    engine's (same models, scheduler and seeds). The paged KV pools of target and drafter are split by KV head
+    over `model` from the moment they are allocated (each device holds 4 / 4 = 1 head) and stay so after
+    serving. Not asserted: any use of the `data` axis (batch rows and pools are replicated over it)."""
     single = _mesh_outputs(_core(runner, "fixed:3"))
     out = tmp_path / "out.json"
     code = MESH_SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path / "m"), out=str(out))
@@ -309,6 +324,12 @@ def test_engine_on_a_data_and_model_mesh_matches_single_device(runner, tmp_path)
     res = json.loads(out.read_text())
     assert res["outputs"] == single
     specs = res["specs"]
+    pools = {k: v for k, v in specs.items() if k.startswith(("start.", "served."))}
+    specs = {k: v for k, v in specs.items() if k not in pools}
+    assert len(pools) == 2 * 2 * (3 + 1), sorted(pools)  # k and v of 3 target + 1 drafter layers, twice
+    for name, (spec, mesh, devices, heads_per_shard) in pools.items():
+        assert spec == [None, "model", None, None] and mesh == {"data": 2, "model": 4}, (name, spec, mesh)
+        assert devices == 8 and heads_per_shard == 1, (name, devices, heads_per_shard)
     split = [k for k in specs if any(w in k for w in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp."))]
     assert len(split) == 7 * 4, sorted(specs)  # q, k, v, o, gate, up, down of 3 target and 1 drafter layer
     for name in split:
