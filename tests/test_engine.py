@@ -117,6 +117,68 @@ def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
         engine.stop()
 
 
+def test_engine_drafts_what_generate_drafts(tiny, monkeypatch):
+    """Drafting checked directly, not through outputs (verification would correct any draft): every request's
+    round r drafts the same tokens from the same committed length n with the same confidences and draft
+    probabilities in the engine (2 slots for 5 requests: continuous batching, rows compacted, pages reused,
+    rounds chained on device) as in `generate` (one batch, its own pages). The drafter's Markov and confidence
+    heads carry noise so the confidences depend on the context."""
+    import jax
+    from flax import nnx
+
+    from dspark_jax.keys import request_key_data, row_key_data
+    from dspark_jax.runner import ModelRunner
+
+    target, base, prompts, _ = tiny
+    prompts = prompts[:5]
+    pure = nnx.to_pure_dict(base.params)
+    key = jax.random.key(11)
+    for i, name in enumerate(("markov_w1", "markov_w2", "conf_w")):
+        pure[name] = pure[name] + 0.3 * jax.random.normal(jax.random.fold_in(key, i), pure[name].shape)
+    params = jax.tree.map(lambda x: x, base.params)
+    nnx.replace_by_pure_dict(params, pure)
+    drafter = base.with_params(params)
+    seen: dict[str, dict] = {"engine": {}, "generate": {}}
+    owner = {"engine": {tuple(request_key_data(i)): i for i in range(len(prompts))},
+             "generate": {tuple(k): i for i, k in enumerate(row_key_data(0, len(prompts)))}}
+    side = ["engine"]
+    draft = ModelRunner._draft
+
+    def recording(self, dev):
+        out = draft(self, dev)
+        tok, q, conf = jax.device_get(out)
+        keys, rounds, active, n = jax.device_get((dev["keys"], dev["rounds"], dev["active"], dev["lengths"]))
+        for row in np.flatnonzero(active):
+            i = owner[side[0]][tuple(int(x) for x in keys[row])]
+            seen[side[0]].setdefault((i, int(rounds[row])), (int(n[row]), tok[row], conf[row], q[row]))
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_draft", recording)
+    core = _engine(target, drafter, "fixed:4", max_batch=2, profile=False).core_only()
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        core.add_request(EngineRequest(request_id=str(i), prompt_ids=p, on_output=lambda o: outs.setdefault(
+            o.request_id, []).extend(o.token_ids), params=SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                                                          seed=i, ignore_eos=True)))
+    while core.has_work():
+        core.step()
+    assert core.stats["chained_steps_total"] > 0 and core.metrics()["tokens_per_step"] > 1.0
+    side[0] = "generate"
+    gen = dspark_jax.generate(target, prompts, drafter, max_new_tokens=MAX_NEW, ignore_eos=True, policy="fixed:4")
+    assert [outs[str(i)] for i in range(len(prompts))] == gen.tokens
+    common = seen["engine"].keys() & seen["generate"].keys()
+    for i in range(len(prompts)):
+        last = min(max(r for j, r in seen[s] if j == i) for s in seen)
+        assert last >= 3 and all((i, r) in common for r in range(1, last + 1)), (i, last)
+    for k in sorted(common):
+        (n_e, tok_e, conf_e, q_e), (n_g, tok_g, conf_g, q_g) = seen["engine"][k], seen["generate"][k]
+        assert n_e == n_g and (tok_e == tok_g).all(), k
+        np.testing.assert_allclose(conf_e, conf_g, atol=1e-5, err_msg=str(k))
+        np.testing.assert_allclose(q_e, q_g, atol=1e-5, err_msg=str(k))
+    confs = np.array([v[2] for v in seen["generate"].values()])
+    assert confs.std() > 0.01  # the confidences depend on the context: their equality is a check
+
+
 def test_preemption_keeps_outputs_exact_and_returns_pages(tiny):
     target, drafter, prompts, ref = tiny
     # 9 pages per request at most, 14 in the pool: four long requests cannot all grow at once.
