@@ -55,8 +55,8 @@ def main(argv=None) -> int:
              "Explain photosynthesis in two sentences.", "What is 17 times 23?"]
     rows = []
     for sched in args.scheduler:
-        drafter = None if sched == "none" else "auto"
-        engine = create_engine(target=args.target, target_obj=target, drafter=drafter, scheduler=sched,
+        loaded = {"target_obj": target, "drafter": None} if sched == "none" else {"drafter": "auto"}
+        engine = create_engine(target=args.target, **loaded, scheduler=sched,
                                max_batch=args.max_batch, max_model_len=512, progress=False)
         core = engine.core_only()
         for c in args.concurrency:
