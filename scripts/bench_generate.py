@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # for scripts.bench_target_decode
 
 
 def parse_args(argv=None) -> argparse.Namespace:
