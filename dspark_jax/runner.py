@@ -446,8 +446,15 @@ class ModelRunner:
         if plain and self.drafter is not None:  # plain steps (no draft pass) at one token per row
             jobs += [("verify", bb, cap, "lengths") for bb, cap in self.plain_shapes()
                      if ("verify", bb, cap, "lengths") not in jobs]
+        jobs += [("advance", bb) for bb in self.batch_buckets]  # the on-device bookkeeping of chained rounds
         for i, job in enumerate(jobs):
-            if job[0] == "prefill":
+            if job[0] == "advance":
+                dev = self.device_batch(self.empty_batch(job[1]))
+                zeros = jnp.zeros((job[1],), jnp.int32)
+                jax.block_until_ready(self.advance(dev, Pass(jnp.zeros((job[1], self.L + 1), jnp.int32), zeros,
+                                                             zeros, zeros, None, None, 0),
+                                                   np.zeros((job[1], self.max_pages), np.int32)))
+            elif job[0] == "prefill":
                 self.prefill([0] * job[1], 0, sentinel, np.zeros(2, np.uint32), 0.0, 0, 1.0)
             elif job[0] == "draft":
                 b = self.empty_batch(job[1])

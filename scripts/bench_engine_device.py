@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--pipelining", choices=("on", "off", "both"), default="both",
+                   help="rounds chained on device (on, the default engine), read back one by one (off), or both")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -113,14 +115,17 @@ def main(argv=None) -> int:
                                    scheduler=sched, max_batch=args.max_batch, max_model_len=1024,
                                    kernels=kernels, profile=False, progress=False)
             ready = time.perf_counter() - t0
-            key = f"{sched} kernels={kernels}"
-            results[key] = {"startup_s": ready}
-            for c in args.concurrency:
-                r = wave(engine, c, args.max_tokens)
-                results[key][c] = r
-                print(f"[{key}] c={c:3d} {r['tokens_per_s']:8.1f} tok/s  {r['steps_per_s']:7.1f} steps/s  "
-                      f"τ {r['tau']:.2f}  verify/pass {r['verify_tokens_per_pass']:.1f}  (startup {ready:.0f}s)",
-                      flush=True)
+            modes = {"on": [True], "off": [False], "both": [True, False]}[args.pipelining]
+            for pipelined in modes:
+                engine.core._pipelined = pipelined  # between waves, with the engine idle
+                key = f"{sched} kernels={kernels} pipelining={'on' if pipelined else 'off'}"
+                results[key] = {"startup_s": ready}
+                for c in args.concurrency:
+                    r = wave(engine, c, args.max_tokens)
+                    results[key][c] = r
+                    print(f"[{key}] c={c:3d} {r['tokens_per_s']:8.1f} tok/s  {r['steps_per_s']:7.1f} steps/s  "
+                          f"τ {r['tau']:.2f}  verify/pass {r['verify_tokens_per_pass']:.1f}  "
+                          f"(startup {ready:.0f}s)", flush=True)
             engine.stop()
     if args.out:
         with open(args.out, "w") as f:
