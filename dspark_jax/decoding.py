@@ -145,7 +145,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     """
     from dspark_jax.keys import row_key_data
     from dspark_jax.policy import Policy
-    from dspark_jax.runner import ModelRunner, advance, pick
+    from dspark_jax.runner import ModelRunner, pick
 
     B = len(prompts)
     sampling_arrays(B, temperature, top_k, top_p)  # validation
@@ -171,6 +171,11 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     keys = row_key_data(seed, B)
     track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
 
+    def push(b: int, tokens) -> None:
+        taken = track.push(b, tokens)
+        if taken and on_tokens is not None:
+            on_tokens(b, taken)
+
     t0 = time.perf_counter()
     chunk = runner.chunk_sizes[-1]
     anchors = np.zeros(B, np.int32)
@@ -178,9 +183,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
         for start in range(0, len(p), chunk):
             anchors[b], _ = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
                                            top_p)
-        taken = track.push(b, anchors[b : b + 1])
-        if taken and on_tokens is not None:
-            on_tokens(b, taken)
+        push(b, anchors[b : b + 1])
     t1 = time.perf_counter()
 
     batch = runner.empty_batch(B)
@@ -195,7 +198,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     pending = None
     while not track.done.all():
         out = runner.dispatch(dev, capacity=capacity, **({"policy": policy} if L else {"lengths": np.zeros(B)}))
-        dev = advance(dev, out.emitted, out.num_accepted)
+        dev = runner.advance(dev, out)
         if pending is not None:  # read the previous round while this one runs
             live = ~track.done
             emitted, num_emitted, m, ell, conf = jax.device_get(
@@ -203,9 +206,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
                  pending.confidence if on_round is not None else ()))
             rounds += 1
             for b in np.flatnonzero(live):
-                taken = track.push(b, emitted[b, : num_emitted[b]])
-                if taken and on_tokens is not None:
-                    on_tokens(b, taken)
+                push(b, emitted[b, : num_emitted[b]])
             if L:
                 if on_round is not None:
                     on_round(live, ell, m, conf)

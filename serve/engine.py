@@ -313,14 +313,25 @@ class EngineCore:
     def _step_batch(self, running):
         """The running requests compacted into rows 0..R−1 of the smallest batch bucket that holds them."""
         b = self.runner.empty_batch(len(running))
+        b.block_tables[:] = self._block_tables(running, b.lengths.shape[0])
         for i, r in enumerate(running):
             p = r.req.params
             b.lengths[i], b.anchors[i] = r.committed, r.anchor
-            b.block_tables[i] = self.pages.table_row(r.rid, self.pages.num_pages)
             b.temperature[i], b.top_k[i], b.top_p[i] = p.temperature, p.top_k, p.top_p
             b.keys[i], b.rounds[i] = r.key, r.rounds + 1
             b.logprobs[i] = p.logprobs is not None
         return b
+
+    def _block_tables(self, running, Bb: int) -> np.ndarray:
+        """int32 [Bb, max_pages]: the running requests' page tables in rows 0..R−1, padding rows on no page."""
+        tables = np.full((Bb, self.runner.max_pages), self.pages.num_pages, np.int32)
+        for i, r in enumerate(running):
+            tables[i] = self.pages.table_row(r.rid, self.pages.num_pages)
+        return tables
+
+    def _dispatch(self, dev: dict, plan: _Plan):
+        return self.runner.dispatch(dev, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
+                                    drafts=plan.drafts)
 
     def _decode(self) -> None:
         """Runs the next round. With a pipelining runner the host never waits for a round before starting the
@@ -340,26 +351,22 @@ class EngineCore:
             return
         b = self._step_batch(running)
         R, Bb = len(running), b.lengths.shape[0]
-        dev = None
-        drafts, plan = None, None
+        dev = drafts = conf = None
         if self.spec.syncs_on_drafts:  # ℓ from the current drafts' confidences, read back on the host
             dev = self.runner.device_batch(b)
             drafts = self.runner.draft(b, dev)
-            plan = self._plan(b.active, R, Bb, int(b.lengths[:R].max()), conf=np.asarray(drafts[2]))
-        else:
-            plan = self._plan(b.active, R, Bb, int(b.lengths[:R].max()))
-        if plan.drafts is None:
+            conf = np.asarray(drafts[2])
+        plan = self._plan(b.active, R, Bb, int(b.lengths[:R].max()), conf=conf)
+        if drafts is not None:
             plan.drafts = drafts
-        want_lp = bool(b.logprobs[:R].any())
         if not self._pipelined or self.spec.syncs_on_drafts:
             res = self.runner.step(b, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
                                    drafts=plan.drafts, dev=dev, want_confidence=plan.want_confidence)
             self._process(_Round(None, running, None, self._count_pass(plan), R, Bb, plan), res)
             return
-        dev = self.runner.device_batch(b) if dev is None else dev
-        out = self.runner.dispatch(dev, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
-                                   drafts=plan.drafts)
-        self._inflight = _Round(out, running, dev, self._count_pass(plan), R, Bb, plan, want_lp)
+        dev = self.runner.device_batch(b)
+        self._inflight = _Round(self._dispatch(dev, plan), running, dev, self._count_pass(plan), R, Bb, plan,
+                                bool(b.logprobs[:R].any()))
 
     def _plan(self, active, R: int, Bb: int, context: int, conf=None) -> _Plan:
         """The scheduler's choice for a round of R rows at the batch's longest `context`."""
@@ -390,15 +397,10 @@ class EngineCore:
         if not all(self.pages.ensure(r.rid, r.committed + 2 * (self.L + 1)) for r in prev.running):
             return None
         Bb = prev.Bb
-        tables = np.full((Bb, self.runner.max_pages), self.pages.num_pages, np.int32)
-        for i, r in enumerate(prev.running):
-            tables[i] = self.pages.table_row(r.rid, self.pages.num_pages)
-        dev = self.runner.advance(prev.dev, prev.out, tables)
+        dev = self.runner.advance(prev.dev, prev.out, self._block_tables(prev.running, Bb))
         context = max(r.committed for r in prev.running) + self.L + 1
-        active = np.arange(Bb) < prev.R
-        plan = self._plan(active, prev.R, Bb, context)
-        out = self.runner.dispatch(dev, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
-                                   drafts=plan.drafts)
+        plan = self._plan(np.arange(Bb) < prev.R, prev.R, Bb, context)
+        out = self._dispatch(dev, plan)
         self.stats["chained_steps_total"] += 1
         return _Round(out, prev.running, dev, self._count_pass(plan), prev.R, Bb, plan, prev.want_logprobs)
 

@@ -32,6 +32,20 @@ from dspark_jax.runner import ModelRunner
 from dspark_jax.spec_decode import Policy, drafter_prefill, spec_step
 
 
+def check_row(naive, hf, cfg, seq, tok, q, conf, atol: float, rnd: int, b: int) -> float:
+    """One row's drafted block against the naive drafter: seq = committed tokens + anchor, tok [L] the drafted
+    tokens (teacher-forced into the naive Markov head), q [L, V] and conf [L] what the path drafted. Asserts
+    |log q − log q_naive| < atol and the confidences; returns the largest log-q error."""
+    committed = seq[:-1]
+    prev = [seq[-1]] + [int(t) for t in tok[:-1]]
+    ref, ref_conf = naive.draft_logits(seq, hf_features(hf, committed, cfg.target_layers), prev)
+    err = float(np.abs(np.log(softmax(ref)) - np.log(np.maximum(q, 1e-38))).max())
+    assert err < atol, (f"round {rnd} row {b}: |log q - log naive q| = {err:.2e}", cfg.kind)
+    if ref_conf is not None:
+        np.testing.assert_allclose(conf, 1 / (1 + np.exp(-ref_conf)), atol=atol, err_msg=f"{rnd=} {b=}")
+    return err
+
+
 def spec_rounds_against_reference(hf, target, drafter, prompts, rounds: int, atol: float = 1e-4) -> dict:
     """Runs `rounds` greedy speculative rounds; before each, checks every row's draft distributions (as log q,
     which keeps small probabilities visible) and confidences against the naive drafter.
@@ -61,15 +75,8 @@ def spec_rounds_against_reference(hf, target, drafter, prompts, rounds: int, ato
                                             ones, zeros, ones))
         n_ctx = np.asarray(dcache.lengths)
         for b in range(B):
-            committed = seqs[b][:-1]
-            assert n_ctx[b] == len(committed) - (cfg.kind == "eagle3"), (rnd, b, n_ctx[b], len(committed))
-            prev = [seqs[b][-1]] + [int(t) for t in tok[b, :-1]]
-            ref, ref_conf = naive.draft_logits(seqs[b], hf_features(hf, committed, cfg.target_layers), prev)
-            err = np.abs(np.log(softmax(ref)) - np.log(np.maximum(q[b], 1e-38))).max()
-            max_err = max(max_err, float(err))
-            assert err < atol, (f"round {rnd} row {b}: |log q - log naive q| = {err:.2e}", cfg.kind)
-            if ref_conf is not None:
-                np.testing.assert_allclose(conf[b], 1 / (1 + np.exp(-ref_conf)), atol=atol, err_msg=f"{rnd=} {b=}")
+            assert n_ctx[b] == len(seqs[b]) - 1 - (cfg.kind == "eagle3"), (rnd, b, n_ctx[b], len(seqs[b]) - 1)
+            max_err = max(max_err, check_row(naive, hf, cfg, seqs[b], tok[b], q[b], conf[b], atol, rnd, b))
         tcache, dcache, anchor, emitted, num_emitted, _, m, _ = spec_step(
             target.graphdef, target.params, drafter.graphdef, drafter.params, tcache, dcache, anchor, keys, rnd,
             temp, tk, tp, dcfg=cfg, policy=Policy(kind="fixed"), tied=tied)
@@ -120,14 +127,7 @@ def runner_rounds_against_reference(hf, target, drafter, prompts, rounds: int, a
         sampled = dataclasses.replace(batch, temperature=np.ones(B, np.float32))  # drafts at T = 1: all of q
         tok, q, conf = jax.device_get(runner.draft(sampled))
         for b in range(B):
-            committed = seqs[b][:-1]
-            prev = [seqs[b][-1]] + [int(t) for t in tok[b, :-1]]
-            ref, ref_conf = naive.draft_logits(seqs[b], hf_features(hf, committed, cfg.target_layers), prev)
-            err = np.abs(np.log(softmax(ref)) - np.log(np.maximum(q[b], 1e-38))).max()
-            max_err = max(max_err, float(err))
-            assert err < atol, (f"round {rnd} row {b}: |log q - log naive q| = {err:.2e}", cfg.kind)
-            if ref_conf is not None:
-                np.testing.assert_allclose(conf[b], 1 / (1 + np.exp(-ref_conf)), atol=atol, err_msg=f"{rnd=} {b=}")
+            max_err = max(max_err, check_row(naive, hf, cfg, seqs[b], tok[b], q[b], conf[b], atol, rnd, b))
         res = runner.step(batch, capacity=runner.capacities[-1], lengths=np.full(B, L, np.int32))
         for b in range(B):
             seqs[b] += [int(t) for t in res.emitted[b, : res.num_emitted[b]]]

@@ -346,6 +346,13 @@ def test_mock_topk_fill_matches_the_device_policy():
 SCHEDULERS = ["none", "fixed:1", "fixed:3", "threshold:0.5", "dspark-sync", "dspark"]
 
 
+def ten_requests() -> tuple[list[int], dict[int, list[int]], dict[int, int]]:
+    """Seeds 1..10 (10 requests through 3 slots), their prompts (1..12 tokens) and max_tokens (1..20)."""
+    seeds = list(range(1, 11))
+    prompts = {s: [s * 50 + i for i in range(1 + (s * 5) % 12)] for s in seeds}
+    return seeds, prompts, {s: 1 + (s * 7) % 20 for s in seeds}
+
+
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_outputs_with_continuous_batching(scheduler):
     L = 0 if scheduler == "none" else 4
@@ -353,9 +360,7 @@ def test_outputs_with_continuous_batching(scheduler):
         return (((seed + rnd + np.arange(L)) % 4 + 1) / 4).astype(np.float32)
 
     core, runner = make_core(scheduler, B=3, L=L, accept=lambda seed, rnd: (seed + rnd) % (L + 1), conf=conf)
-    seeds = list(range(1, 11))  # 10 requests through 3 slots
-    prompts = {s: [s * 50 + i for i in range(1 + (s * 5) % 12)] for s in seeds}  # 1..12 tokens
-    max_tokens = {s: 1 + (s * 7) % 20 for s in seeds}
+    seeds, prompts, max_tokens = ten_requests()
     out = Outputs()
     for s in seeds:
         submit(core, out, f"r{s}", prompts[s], max_tokens[s], s)
@@ -393,11 +398,8 @@ def test_pipelined_rounds_give_the_same_outputs(scheduler):
     for pipelined in (False, True):
         core, runner = make_core(scheduler, B=3, L=L, accept=lambda seed, rnd: (seed + rnd) % (L + 1), conf=conf,
                                  pipelined=pipelined, eos=(77,))
-        seeds = list(range(1, 11))
-        prompts = {s: [s * 50 + i for i in range(1 + (s * 5) % 12)] for s in seeds}
-        prompts[3] = [70]  # continues 71..77: stops at the EOS 77 after 6 tokens
-        max_tokens = {s: 1 + (s * 7) % 20 for s in seeds}
-        max_tokens[3] = 20
+        seeds, prompts, max_tokens = ten_requests()
+        prompts[3], max_tokens[3] = [70], 20  # continues 71..77: stops at the EOS 77 after 6 tokens
         out = Outputs()
         for s in seeds:
             submit(core, out, f"r{s}", prompts[s], max_tokens[s], s)
