@@ -39,14 +39,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _median_s(fn, repeats: int) -> float:
+def _median_s(repeats: int, fn, *args) -> float:
     import jax
 
-    jax.block_until_ready(fn())  # compile + warm up
+    jax.block_until_ready(fn(*args))  # compile + warm up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -111,10 +111,10 @@ def measure(args) -> dict:
     for n in args.contexts:
         for T in args.tokens:
             tokens = jnp.arange(T, dtype=jnp.int32) + 100
-            t_full = _median_s(lambda: full(params, kv, tokens, jnp.int32(n))[0], args.repeats)
+            t_full = _median_s(args.repeats, full, params, kv, tokens, jnp.int32(n))
             x = jnp.ones((T, cfg.hidden_size), target.dtype)
-            t_dense = _median_s(lambda: dense_only(params, x), args.repeats)
-            t_head = _median_s(lambda: head_only(params, x), args.repeats)
+            t_dense = _median_s(args.repeats, dense_only, params, x)
+            t_head = _median_s(args.repeats, head_only, params, x)
             rows.append(dict(context=n, tokens=T, pass_ms=1e3 * t_full, dense_ms=1e3 * t_dense,
                              head_ms=1e3 * t_head, rest_ms=1e3 * max(0.0, t_full - t_dense - t_head)))
     return dict(xla_flags=os.environ.get("XLA_FLAGS", ""), weight_bytes=weights, read_bandwidth_gbs=bw,

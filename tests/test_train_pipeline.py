@@ -154,6 +154,51 @@ def test_killed_run_resumes_to_the_same_loss_curve(tiny, tmp_path):
     assert loaded.config.block_size == 4
 
 
+def test_a_carried_run_continues_on_a_new_machine(tiny, tmp_path):
+    """run.carry_dir: the bf16 parameters, step, data position and metrics written at each checkpoint let a run
+    whose Orbax checkpoints are gone (a new machine) continue: the same batches in order, the next step's loss
+    that of the uninterrupted run up to bf16 rounding, the earlier metrics kept."""
+    import shutil
+
+    from train.fit import fit, read_carry
+
+    target, data = tiny
+    carry = tmp_path / "carry"
+    cfg_a = _cfg(data, tmp_path / "a", steps=12)
+    cfg_a = load_config(None, [*_overrides(cfg_a), f"run.carry_dir={carry}"])
+    fit(cfg_a, target=target, stop_after=6, progress=False)
+    assert read_carry(str(carry))["step"] == 6 and (carry / "drafter" / "drafter_config.json").exists()
+    shutil.copytree(carry, tmp_path / "carry6")
+    fit(cfg_a, target=target, progress=False)  # the uninterrupted reference: machine a's Orbax resume to 12
+    assert read_carry(str(carry))["step"] == 12
+    cfg_b = load_config(None, [*_overrides(cfg_a), f"run.out_dir={tmp_path / 'b'}",
+                               f"run.carry_dir={tmp_path / 'carry6'}"])
+    fit(cfg_b, target=target, progress=False)  # machine b: no checkpoints, only the carry at step 6
+    read = lambda d: [json.loads(ln) for ln in open(d / "metrics.jsonl")]  # noqa: E731
+    a, b = read(tmp_path / "a"), read(tmp_path / "b")
+    assert [r["step"] for r in b] == list(range(1, 13))
+    assert b[:6] == a[:6]
+    np.testing.assert_allclose(b[6]["loss"], a[6]["loss"], rtol=2e-2)  # step 7: same batch, bf16 parameters
+    assert abs(b[6]["loss"] - a[0]["loss"]) > 10 * abs(b[6]["loss"] - a[6]["loss"])  # not a fresh start
+    assert b[-1]["loss"] < b[6]["loss"]  # fresh moments, re-warmed: it keeps learning
+    assert read_carry(str(tmp_path / "carry6"))["step"] == 12
+    assert dspark_jax.load_drafter(str(tmp_path / "b" / "drafter"), target).config.block_size == 4
+
+
+def _overrides(cfg) -> list[str]:
+    """A config back as dotted overrides (every leaf)."""
+    out = []
+
+    def walk(prefix, d):
+        for k, v in d.items():
+            if isinstance(v, dict) and k not in ("overrides", "loss"):
+                walk(f"{prefix}{k}.", v)
+            else:
+                out.append(f"{prefix}{k}={json.dumps(v)}")
+    walk("", cfg.to_dict())
+    return out
+
+
 MESH_SCRIPT = textwrap.dedent("""
     import sys, numpy as np, jax
     sys.path.insert(0, {tests!r})

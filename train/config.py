@@ -79,6 +79,10 @@ class RunSection:
     ckpt_every: int = 100
     keep: int = 3
     async_checkpoint: bool = True
+    # A compact resume point that can be committed, for runs longer than one machine's life: every `ckpt_every`
+    # steps the parameters (bf16 safetensors), the step, the data position and metrics.jsonl are written here;
+    # a run with no newer Orbax checkpoint continues from it with fresh AdamW moments (train/fit.py).
+    carry_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -23,10 +23,20 @@ from train.losses import LossWeights, drafter_loss
 
 
 def make_optimizer(lr: float, steps: int, warmup: int | None = None, clip: float = 1.0,
-                   weight_decay: float = 0.01, end_lr_ratio: float = 0.1) -> optax.GradientTransformation:
-    """AdamW with linear warmup then cosine decay to lr·end_lr_ratio, after global-norm clipping."""
+                   weight_decay: float = 0.01, end_lr_ratio: float = 0.1, *,
+                   step_offset: int = 0) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay to lr·end_lr_ratio, after global-norm clipping.
+
+    `step_offset` > 0 continues a run at that step with fresh AdamW moments (a carried run, train/fit.py): the
+    learning rate is the schedule's at step_offset + count, times a linear re-warm-up over `warmup` steps while
+    the new moments settle (their count starts at 0, so Adam's bias correction stays right)."""
     warmup = max(1, steps // 10) if warmup is None else warmup
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * end_lr_ratio)
+    if step_offset:
+        base = sched
+
+        def sched(count):
+            return base(count + step_offset) * jnp.minimum(1.0, (count + 1) / warmup)
     return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=weight_decay))
 
 

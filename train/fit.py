@@ -5,6 +5,10 @@ An orbax CheckpointManager saves all three every `ckpt_every` steps (async, keep
 the latest and continues with the same batches in the same order, so the loss curve is the uninterrupted one.
 Metrics go to stdout (tqdm) and `metrics.jsonl` (one line per logged step; a resumed run rewrites the lines
 after its restored step). At the end the drafter is saved to `out_dir/drafter` (and, with --export, as bf16).
+With `run.carry_dir` set, each checkpoint also writes a compact carry there (the parameters as a bf16 drafter,
+the step, the data position, metrics.jsonl; a few MB, meant to be committed): a run that finds no Orbax
+checkpoint at least as new continues from the carry with fresh AdamW moments and the learning-rate schedule at
+the carried step (re-warmed over `optim.warmup` steps), so a run of many hours survives losing its machine.
 Multi-process runs (train/launch.py): every process runs this same function on its rows of each global batch;
 checkpoints and the final drafter are written jointly by all processes, metrics and logs by process 0 only.
 """
@@ -13,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import jax
@@ -86,7 +92,31 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
 
     mesh = make_train_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     o = cfg.optim
-    tx = make_optimizer(o.lr, o.steps, o.warmup, o.clip, o.weight_decay, o.end_lr_ratio)
+    mngr = ocp.CheckpointManager(
+        os.path.join(out_dir, "checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep, save_interval_steps=cfg.run.ckpt_every,
+                                             enable_async_checkpointing=cfg.run.async_checkpoint))
+    carry = read_carry(cfg.run.carry_dir)
+    if carry is not None and (mngr.latest_step() or 0) >= carry["step"]:
+        carry = None  # this machine's own checkpoint is at least as new
+    offset_path = os.path.join(out_dir, "step_offset.json")  # where this directory's optimizer count starts
+    if carry is not None:
+        step_offset = carry["step"]
+        if lead:
+            with open(offset_path, "w") as f:
+                json.dump({"step_offset": step_offset}, f)
+    elif mngr.latest_step() is not None and os.path.exists(offset_path):
+        with open(offset_path) as f:
+            step_offset = json.load(f)["step_offset"]
+    else:
+        step_offset = 0
+        if lead and mngr.latest_step() is None and os.path.exists(offset_path):
+            os.remove(offset_path)  # a fresh start
+    tx = make_optimizer(o.lr, o.steps, o.warmup, o.clip, o.weight_decay, o.end_lr_ratio, step_offset=step_offset)
+    if carry is not None:
+        from dspark_jax.drafter import load_drafter
+
+        drafter = drafter.with_params(load_drafter(carry["drafter"], target).params)
     params = jax.tree.map(jnp.array, nnx.to_pure_dict(drafter.params))  # a copy: the step donates it
     tparams = nnx.to_pure_dict(target.params)
     opt_state = tx.init(params)
@@ -102,19 +132,21 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
                        process_index=jax.process_index(), process_count=jax.process_count(),
                        feature_layers=drafter.config.target_layers if d.features else None,
                        features_path=d.features_path)
-    mngr = ocp.CheckpointManager(
-        os.path.join(out_dir, "checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep, save_interval_steps=cfg.run.ckpt_every,
-                                             enable_async_checkpointing=cfg.run.async_checkpoint))
     start = 0
-    if mngr.latest_step() is not None:
+    log_path = os.path.join(out_dir, "metrics.jsonl") if lead else os.devnull
+    if carry is not None:
+        start = carry["step"]
+        it.set_state(carry["data"])
+        if lead:
+            shutil.copyfile(os.path.join(cfg.run.carry_dir, "metrics.jsonl"), log_path)
+        print(f"continued from the carry at step {start} in {cfg.run.carry_dir} (fresh AdamW moments)", flush=True)
+    elif mngr.latest_step() is not None:
         start = mngr.latest_step()
         restored = mngr.restore(start, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(params), opt=ocp.args.StandardRestore(opt_state),
             data=grain.checkpoint.CheckpointRestore(it)))
         params, opt_state = restored["params"], restored["opt"]
         print(f"resumed from step {start} in {out_dir}", flush=True)
-    log_path = os.path.join(out_dir, "metrics.jsonl") if lead else os.devnull
     if lead:
         _rewrite_log(log_path, start)
 
@@ -132,9 +164,15 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{np.mean(rec['acceptance']):.3f}")
-            mngr.save(done, args=ocp.args.Composite(
+            wrote = mngr.save(done, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
                 data=grain.checkpoint.CheckpointSave(it)), force=done == o.steps)
+            if wrote and cfg.run.carry_dir:
+                log.flush()
+                host = _gather(params)  # every process joins the gather; process 0 writes
+                if lead:
+                    write_carry(cfg.run.carry_dir, drafter.with_params(_to_state(drafter, host)), done,
+                                it.get_state(), log_path)
     mngr.wait_until_finished()
     mngr.close()
     host = _gather(params)
@@ -147,6 +185,32 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
         if export:
             saved.save(export, dtype="bfloat16")
     return trained
+
+
+def read_carry(carry_dir: str | None) -> dict | None:
+    """The carry in `carry_dir` ({"step", "data", "drafter": path}), or None when there is none."""
+    path = os.path.join(carry_dir, "carry.json") if carry_dir else None
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        carry = json.load(f)
+    return {**carry, "drafter": os.path.join(carry_dir, "drafter")}
+
+
+def write_carry(carry_dir: str, drafter, step: int, data_state: dict, log_path: str) -> None:
+    """Writes the carry beside the old one, then swaps it in (a killed write leaves the old carry whole)."""
+    parent = os.path.dirname(os.path.abspath(carry_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".carry-", dir=parent)
+    drafter.save(os.path.join(tmp, "drafter"), dtype="bfloat16")
+    shutil.copyfile(log_path, os.path.join(tmp, "metrics.jsonl"))
+    with open(os.path.join(tmp, "carry.json"), "w") as f:
+        json.dump({"step": step, "data": data_state}, f, indent=1)
+    old = carry_dir.rstrip("/") + ".old"
+    if os.path.exists(carry_dir):
+        os.rename(carry_dir, old)
+    os.rename(tmp, carry_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _gather(pure):
@@ -165,4 +229,4 @@ def _to_state(drafter, pure):
     return state
 
 
-__all__ = ["build", "fit"]
+__all__ = ["build", "fit", "read_carry", "write_carry"]
