@@ -109,9 +109,9 @@ class Projections(nnx.Module):
     def qkv(self, x: jax.Array, kv_x: jax.Array | None = None):
         """[B, T, D] → q [B, T, N, H]; k, v [B, T', K, H] from `kv_x` (defaults to x). No RoPE yet."""
         kv_x = x if kv_x is None else kv_x
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...])
-        k = jnp.einsum("BTD,DKH->BTKH", kv_x, self.k[...])
-        v = jnp.einsum("BTD,DKH->BTKH", kv_x, self.v[...])
+        q = _project(x, self.q[...])  # "BTD,DNH->BTNH"
+        k = _project(kv_x, self.k[...])  # "BTD,DKH->BTKH"
+        v = _project(kv_x, self.v[...])
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
@@ -119,8 +119,20 @@ class Projections(nnx.Module):
         return q, k, v
 
     def out(self, a: jax.Array) -> jax.Array:
-        y = jnp.einsum("BTNH,NHD->BTD", a, self.o[...])
+        w = self.o[...]  # "BTNH,NHD->BTD" as a 2-D product (see _project)
+        y = jnp.matmul(a.reshape(*a.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
         return y + self.o_bias[...] if self.bias else y
+
+
+def _project(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., D] · w [D, N, H] → [..., N, H], as a 2-D product over the flattened heads.
+
+    The same contraction as the einsum "...D,DNH->...NH", but XLA:CPU runs a dot whose weight has two output
+    dimensions several times slower than the plain matrix product (measured on SmolLM2's q/k/v/o at one token:
+    20.5 ms for the 30 layers against 7.6 ms; scripts/bench_verify_price.py). The reshapes are free (row-major),
+    and merging N (the "model"-sharded dimension) with H keeps the sharding."""
+    y = jnp.matmul(x, w.reshape(w.shape[0], -1))
+    return y.reshape(*y.shape[:-1], *w.shape[1:])
 
 
 class SwiGLU(nnx.Module):
