@@ -48,6 +48,19 @@ from dspark_jax.scheduling import survival, topk_fill
 from dspark_jax.verification import greedy_verify, verify
 
 TRACES: collections.Counter = collections.Counter()
+# XLA compilations per jitted function name in this process. A Python trace is not the only way to compile:
+# the same trace compiles again when an argument's placement differs (an uncommitted host upload against a
+# committed device output, say), which TRACES cannot see; tests compare this counter too.
+COMPILES: collections.Counter = collections.Counter()
+
+
+def _count_compile(event: str, duration_secs: float, **kw) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILES[kw.get("fun_name", "?")] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+PROGRAMS = ("jit(prefill_program)", "jit(draft_program)", "jit(verify_program)", "jit(advance)")
 NUM_TOP_LOGPROBS = 20  # top alternatives computed when any request of a pass asks for logprobs
 
 
@@ -272,17 +285,24 @@ class ModelRunner:
         self.capacities = pow2_buckets(max_batch * (self.L + 1))
         from dspark_jax.sharding import paged_sharding
 
+        # Every host value a program takes is placed (committed) here, as device outputs fed back are: jit
+        # compiles once per argument placement, so an uncommitted upload beside a committed output would
+        # compile each program a second time in the first chained round. The page pools
+        # start placed so too (they come back from every program).
+        self._placement = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+                           else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         tc = target.config
         self.tkv = PagedKV.init(num_layers=tc.num_layers, num_pages=num_pages, num_kv_heads=tc.num_kv_heads,
                                 page_size=page_size, head_dim=tc.head_dim, dtype=target.dtype,
-                                sharding=paged_sharding(mesh, tc.num_kv_heads) if mesh is not None else None)
+                                sharding=paged_sharding(mesh, tc.num_kv_heads) if mesh is not None else self._placement)
         self.dkv = None
         self.tparams, self.dparams = target.params, (drafter.params if drafter is not None else None)
         if drafter is not None:
             dc = drafter.config
             self.dkv = PagedKV.init(num_layers=dc.num_layers, num_pages=num_pages, num_kv_heads=dc.num_kv_heads,
                                     page_size=page_size, head_dim=dc.head_dim, dtype=target.dtype,
-                                    sharding=paged_sharding(mesh, dc.num_kv_heads) if mesh is not None else None)
+                                    sharding=paged_sharding(mesh, dc.num_kv_heads) if mesh is not None
+                                    else self._placement)
         if mesh is not None:
             from dspark_jax.sharding import shard_params
 
@@ -329,23 +349,30 @@ class ModelRunner:
         buf = np.zeros(C, np.int32)
         buf[:n] = tokens
         s = self._static
+        put = self._put
         self.tkv, self.dkv, tok, lp = prefill_program(
-            self.tparams, self.dparams, self.tkv, self.dkv, jnp.asarray(buf), jnp.int32(start), jnp.int32(n),
-            jnp.asarray(np.asarray(table_row, np.int32)[None]), jnp.asarray(key, jnp.uint32),
-            jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.bool_(logprobs), tg=s["tg"],
-            dg=s["dg"], hidden_layers=s["hidden_layers"], kernels=s["kernels"])
+            self.tparams, self.dparams, self.tkv, self.dkv, put(buf), put(np.int32(start)), put(np.int32(n)),
+            put(np.asarray(table_row, np.int32)[None]), put(np.asarray(key, np.uint32)),
+            put(np.float32(temperature)), put(np.int32(top_k)), put(np.float32(top_p)), put(np.bool_(logprobs)),
+            tg=s["tg"], dg=s["dg"], hidden_layers=s["hidden_layers"], kernels=s["kernels"])
         if not logprobs:
             return int(tok), None
         tok, lp = jax.device_get((tok, lp))
         return int(tok), lp
 
+    def _put(self, x):
+        """A host value (or pytree of them) on device, committed to the runner's one batch placement."""
+        return jax.device_put(x, self._placement)
+
     def device_batch(self, b: StepBatch) -> dict:
         """The step's arrays on device (uploaded once; `draft` and `step` share them)."""
-        return {"active": jnp.asarray(b.active), "lengths": jnp.asarray(b.lengths, jnp.int32),
-                "anchors": jnp.asarray(b.anchors, jnp.int32), "block_tables": jnp.asarray(b.block_tables, jnp.int32),
-                "temperature": jnp.asarray(b.temperature, jnp.float32), "top_k": jnp.asarray(b.top_k, jnp.int32),
-                "top_p": jnp.asarray(b.top_p, jnp.float32), "keys": jnp.asarray(b.keys, jnp.uint32),
-                "rounds": jnp.asarray(b.rounds, jnp.int32), "logprobs": jnp.asarray(b.logprobs, bool)}
+        return self._put({"active": np.asarray(b.active, bool), "lengths": np.asarray(b.lengths, np.int32),
+                          "anchors": np.asarray(b.anchors, np.int32),
+                          "block_tables": np.asarray(b.block_tables, np.int32),
+                          "temperature": np.asarray(b.temperature, np.float32),
+                          "top_k": np.asarray(b.top_k, np.int32), "top_p": np.asarray(b.top_p, np.float32),
+                          "keys": np.asarray(b.keys, np.uint32), "rounds": np.asarray(b.rounds, np.int32),
+                          "logprobs": np.asarray(b.logprobs, bool)})
 
     def draft(self, b: StepBatch, dev: dict | None = None):
         """(draft, q, confidence) device arrays for every row of the batch bucket."""
@@ -370,11 +397,12 @@ class ModelRunner:
         if self.drafter is not None and drafts is None:
             drafts = self._draft(dev)
         if drafts is None:  # target only
-            drafts = (jnp.zeros((Bb, 0), jnp.int32), jnp.zeros((Bb, 0, 1), jnp.float32),
-                      jnp.zeros((Bb, 0), jnp.float32))
+            drafts = self._put((np.zeros((Bb, 0), np.int32), np.zeros((Bb, 0, 1), np.float32),
+                                np.zeros((Bb, 0), np.float32)))
         draft, q, conf = drafts
         mode = "topk" if budget is not None else "policy" if policy is not None else "lengths"
-        arg = jnp.int32(budget if budget is not None else 0) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        arg = self._put(np.int32(budget if budget is not None else 0) if lengths is None
+                        else np.asarray(lengths, np.int32))
         s = self._static
         self.tkv, self.dkv, emitted, num_emitted, m, ls, lp = verify_program(
             self.tparams, self.dparams, self.tkv, self.dkv, dev, draft, q, conf, arg, tg=s["tg"], dg=s["dg"],
@@ -406,17 +434,18 @@ class ModelRunner:
     def advance(self, dev: dict, out: Pass, block_tables: np.ndarray | None = None) -> dict:
         """The device batch of the round after `out`, built on device (`advance`), with fresh block tables
         when pages were added; dispatching it needs no host read of `out`."""
-        nxt = advance(dev, out.emitted, out.num_accepted)
+        nxt = self._put(advance(dev, out.emitted, out.num_accepted))  # (a no-op where already placed so)
         if block_tables is not None:
-            nxt["block_tables"] = jnp.asarray(block_tables, jnp.int32)
+            nxt["block_tables"] = self._put(np.asarray(block_tables, np.int32))
         return nxt
 
     def _no_drafts(self, Bb: int):
         """Placeholder drafts for a plain step (never read: every ℓ is 0), kept on device per batch bucket."""
         if Bb not in self._placeholders:
             V = self.target.config.vocab_size
-            self._placeholders[Bb] = (jnp.zeros((Bb, self.L), jnp.int32), jnp.zeros((Bb, self.L, V), jnp.float32),
-                                      jnp.zeros((Bb, self.L), jnp.float32))
+            self._placeholders[Bb] = self._put((np.zeros((Bb, self.L), np.int32),
+                                                np.zeros((Bb, self.L, V), np.float32),
+                                                np.zeros((Bb, self.L), np.float32)))
         return self._placeholders[Bb]
 
     def plain_shapes(self) -> list[tuple[int, int]]:
@@ -450,9 +479,9 @@ class ModelRunner:
         for i, job in enumerate(jobs):
             if job[0] == "advance":
                 dev = self.device_batch(self.empty_batch(job[1]))
-                zeros = jnp.zeros((job[1],), jnp.int32)
-                jax.block_until_ready(self.advance(dev, Pass(jnp.zeros((job[1], self.L + 1), jnp.int32), zeros,
-                                                             zeros, zeros, None, None, 0),
+                zeros = self._put(np.zeros((job[1],), np.int32))  # placed as a verify pass's outputs are
+                emitted = self._put(np.zeros((job[1], self.L + 1), np.int32))
+                jax.block_until_ready(self.advance(dev, Pass(emitted, zeros, zeros, zeros, None, None, 0),
                                                    np.zeros((job[1], self.max_pages), np.int32)))
             elif job[0] == "prefill":
                 self.prefill([0] * job[1], 0, sentinel, np.zeros(2, np.uint32), 0.0, 0, 1.0)

@@ -31,7 +31,8 @@ import numpy as np
 from dspark_jax.keys import request_key_data
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
-from serve.scheduler import SchedulerSpec, SpsTable, dspark_capacity, host_lengths, pick_bucket
+from serve.scheduler import (SchedulerSpec, SpsTable, dspark_capacity, host_lengths, pick_bucket,
+                             warm_scheduler)
 from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, TokenLogprob
 
 log = logging.getLogger("dspark_jax.serve")
@@ -119,6 +120,8 @@ class EngineCore:
         self._admit_counter = itertools.count()
         self._conf_history: collections.deque = collections.deque(maxlen=2)  # (pass, {rid: conf [L]})
         self._plain_run = 0  # consecutive plain steps (dspark)
+        self._probe_gap = PROBE_EVERY  # plain steps before the next probe (dspark; doubles while drafts do not pay)
+        self._probed = False  # the last step was a probe
         self._pipelined = hasattr(runner, "dispatch")  # the test mock runs every round synchronously
         self._inflight: _Round | None = None  # a dispatched round not yet read back
         self._stepping = False
@@ -445,18 +448,26 @@ class EngineCore:
     def _plain_pays(self, stale, R: int, K: int, sps: np.ndarray, plain_sps: float | None) -> bool:
         """Whether a plain step (no draft pass) beats the best speculative one by the cost model:
         Θ_plain = R · SPS_plain against Θ_K = (R + Σ top-K survival) · SPS(R + K). Survival is the stale one
-        (as for K), so the choice never looks at the current drafts. Every `PROBE_EVERY`-th consecutive plain
-        step drafts anyway, so the confidences the choice rests on stay fresh."""
+        (as for K), so the choice never looks at the current drafts. After a run of plain steps one step drafts
+        anyway, so the confidences the choice rests on stay fresh: the run is `PROBE_EVERY` steps at first and
+        doubles (up to `PROBE_MAX`) each time a probe leaves plain steps still ahead, so a drafter that does
+        not pay costs ever fewer draft passes; a speculative step chosen on its merits resets it."""
         if plain_sps is None or stale is None:
             return False
-        if self._plain_run >= PROBE_EVERY:
-            self._plain_run = 0
+        if self._plain_run >= self._probe_gap:
+            self._plain_run, self._probed = 0, True
             return False
         a = np.minimum.accumulate(np.cumprod(stale[:R].astype(np.float64), axis=-1), axis=-1).ravel()
         gain = float(np.sort(a)[::-1][:K].sum()) if K > 0 else 0.0
         theta_spec = (R + gain) * float(sps[min(R + K, len(sps) - 1)])
         plain = R * plain_sps > theta_spec
-        self._plain_run = self._plain_run + 1 if plain else 0
+        if not plain:
+            self._plain_run, self._probe_gap = 0, PROBE_EVERY
+        else:
+            if self._probed:
+                self._probe_gap = min(2 * self._probe_gap, PROBE_MAX)
+            self._plain_run += 1
+        self._probed = False
         return plain
 
     def _stale_confidence(self, running, Bb: int):
@@ -613,6 +624,7 @@ def capacity_buckets(max_batch: int, block_size: int) -> tuple[int, ...]:
 
 
 PROBE_EVERY = 8  # dspark: after this many plain steps in a row, one speculative step refreshes the confidences
+PROBE_MAX = 64  # dspark: the longest run of plain steps between probes (the run doubles while drafts do not pay)
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the length taken from the target's config
 PROFILE_CONTEXTS = (64, 512)  # context lengths the SPS table is profiled at (interpolated between)
 
@@ -704,6 +716,7 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
     t0 = time.perf_counter()
     update, close = _bar(progress, "compiling")
     runner.warmup((mode,), max_draft=max_draft, progress=update, plain=spec.kind == "dspark")
+    warm_scheduler(spec, runner.batch_buckets, runner.L, runner.capacities[-1])
     close()
     say(f"compiled {len(runner.verify_shapes(max_draft))} step shapes in {time.perf_counter() - t0:.1f}s")
     sps = None

@@ -67,6 +67,17 @@ def dspark_capacity(stale_conf: np.ndarray | None, active: np.ndarray, block_siz
     return int(_capacity(conf, sps_table, active))
 
 
+def warm_scheduler(spec: SchedulerSpec, batch_buckets, block_size: int, max_tokens: int) -> None:
+    """Compiles the scheduler's jitted search for every batch bucket (start-up; a step never compiles)."""
+    table = np.zeros(max_tokens + 1, np.float32)
+    for bb in batch_buckets:
+        conf, active = np.ones((bb, max(block_size, 1)), np.float32), np.ones(bb, bool)
+        if spec.kind == "dspark":
+            dspark_capacity(conf, active, block_size, table)
+        elif spec.kind in ("threshold", "dspark-sync"):
+            host_lengths(spec, conf, active, block_size, table)
+
+
 @dataclasses.dataclass
 class SpsTable:
     """The profiled cost model: steps/s of a full step (draft + verify) by (batch bucket, capacity bucket,

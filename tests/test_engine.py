@@ -22,6 +22,7 @@ from test_spec_decode import V_SMALL, _chi2_pvalue, _drafter, _exact_joint
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import dspark_jax
+from dspark_jax.runner import COMPILES, PROGRAMS
 from serve.engine import EngineCore, create_engine
 from serve.types import EngineRequest, SamplingParams
 
@@ -75,6 +76,31 @@ def runners(tiny):
     return {"spec": spec.core.runner, "plain": plain.core.runner}
 
 
+@pytest.mark.parametrize("scheduler", ["fixed:2", "dspark"])
+def test_no_xla_compilation_after_warm_up(tiny, scheduler):
+    """Counted in XLA compilations, not Python traces: the same trace compiles again when an argument's placement
+    changes (a host upload against a device output fed back by a chained round), which trace counts cannot see.
+    A page size and length no other test uses, so no program is shared with another engine or `generate`."""
+    target, drafter, prompts, ref = tiny
+    engine = create_engine(target_obj=target, drafter_obj=drafter, scheduler=scheduler, max_batch=2,
+                           max_model_len=76, page_size=4, chunk_sizes=(8, 32), progress=False)
+    try:
+        compiled = {k: COMPILES[k] for k in PROGRAMS}
+        core = engine.core_only()
+        outs = {}
+        for i in (0, 1, 2):
+            core.add_request(EngineRequest(request_id=str(i), prompt_ids=prompts[i],
+                                           on_output=lambda o: outs.setdefault(o.request_id, []).extend(o.token_ids),
+                                           params=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)))
+        while core.has_work():
+            core.step()
+        assert [outs[str(i)] for i in (0, 1, 2)] == ref[:3]
+        assert core.stats["chained_steps_total"] > 0  # device outputs were fed back
+        assert {k: COMPILES[k] for k in PROGRAMS} == compiled
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
     import openai
@@ -86,6 +112,7 @@ def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
                            max_model_len=80, progress=False)
     warm = dict(engine.core.runner.traces)
     assert warm and all(v == 1 for v in warm.values())  # each program and bucket traced exactly once
+    compiled = {k: COMPILES[k] for k in PROGRAMS}  # XLA compiles too: a placement change recompiles a trace
     tok = _word_tokenizer(128)
     app = build_app(engine, tok, chat_template=lambda msgs: _ids(" ".join(m["content"] for m in msgs)))
     try:
@@ -106,6 +133,7 @@ def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
         assert outs == ref
         assert streamed == ref[3]
         assert dict(engine.core.runner.traces) == warm  # no recompilation after warm-up, whatever the mix
+        assert {k: COMPILES[k] for k in PROGRAMS} == compiled  # (chained rounds feed device outputs back)
         m = engine.metrics()
         assert m["free_pages"] == m["total_pages"]
         if scheduler not in ("none",):

@@ -743,8 +743,8 @@ def test_dspark_budget_capped_by_the_largest_bucket():
 def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
     """Survival 0.1 per draft token and a plain step twice as fast as any speculative one: Θ_plain = R · 2
     beats (R + Σa) · 1, so the engine runs plain steps (no draft pass, ℓ = 0) once stale confidences exist,
-    drafting again every PROBE_EVERY-th step to refresh them; outputs stay exact. With the plain step as slow
-    as a speculative one, it always drafts."""
+    drafting again after PROBE_EVERY plain steps to refresh them, then after twice as many while drafts still
+    do not pay; outputs stay exact. With the plain step as slow as a speculative one, it always drafts."""
     from serve.engine import PROBE_EVERY
     from serve.scheduler import SpsTable
 
@@ -761,7 +761,11 @@ def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
 
     plain = run(2.0)
     assert plain[:2] == [False, False]  # no confidences two passes old yet
-    assert plain[2 : 2 + PROBE_EVERY] == [True] * PROBE_EVERY and plain[2 + PROBE_EVERY] is False
+    first = 2 + PROBE_EVERY  # the first probe
+    assert plain[2:first] == [True] * PROBE_EVERY and plain[first] is False
+    second = first + 1 + 2 * PROBE_EVERY  # the run after a probe that changed nothing doubles
+    assert len(plain) > second, len(plain)
+    assert plain[first + 1 : second] == [True] * (2 * PROBE_EVERY) and plain[second] is False
     assert sum(plain) > 0.8 * len(plain)
     assert not any(run(1.0))
 
