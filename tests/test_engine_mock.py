@@ -749,14 +749,14 @@ def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
     from serve.scheduler import SpsTable
 
     def run(plain_sps):
-        core, runner = make_core("dspark", B=2, L=4, max_model_len=64,
+        core, runner = make_core("dspark", B=2, L=4, max_model_len=96,
                                  conf=lambda t, s, seed, rnd: np.full(4, 0.1, np.float32))
         shapes = runner.verify_shapes()
         core.set_sps(SpsTable({(bb, c, 0): 1.0 for bb, c in shapes}, {(bb, 0): plain_sps for bb in (1, 2)}))
         out = Outputs()
-        submit(core, out, "r1", [10, 11], 40, seed=1)
+        submit(core, out, "r1", [10, 11], 60, seed=1)
         drain(core, out)
-        assert out.tokens("r1") == continuation([10, 11], 40)[0]
+        assert out.tokens("r1") == continuation([10, 11], 60)[0]
         return [rec.plain for rec in runner.passes]
 
     plain = run(2.0)
