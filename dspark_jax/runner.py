@@ -349,12 +349,12 @@ class ModelRunner:
         buf = np.zeros(C, np.int32)
         buf[:n] = tokens
         s = self._static
-        put = self._put
+        args = self._put((buf, np.int32(start), np.int32(n), np.asarray(table_row, np.int32)[None],
+                          np.asarray(key, np.uint32), np.float32(temperature), np.int32(top_k), np.float32(top_p),
+                          np.bool_(logprobs)))  # one upload for the chunk's values
         self.tkv, self.dkv, tok, lp = prefill_program(
-            self.tparams, self.dparams, self.tkv, self.dkv, put(buf), put(np.int32(start)), put(np.int32(n)),
-            put(np.asarray(table_row, np.int32)[None]), put(np.asarray(key, np.uint32)),
-            put(np.float32(temperature)), put(np.int32(top_k)), put(np.float32(top_p)), put(np.bool_(logprobs)),
-            tg=s["tg"], dg=s["dg"], hidden_layers=s["hidden_layers"], kernels=s["kernels"])
+            self.tparams, self.dparams, self.tkv, self.dkv, *args, tg=s["tg"], dg=s["dg"],
+            hidden_layers=s["hidden_layers"], kernels=s["kernels"])
         if not logprobs:
             return int(tok), None
         tok, lp = jax.device_get((tok, lp))
