@@ -48,6 +48,22 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
     return inv
 
 
+def rope_angles(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, 1, H] of the rotate-half RoPE at int32 positions [B, T]: computed once per pass and
+    shared by every layer (`rotate`), rather than once per layer and per q/k."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def rotate(x: jax.Array, angles: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate-half RoPE (HF convention) of x [B, T, N, H] by `rope_angles` of its positions."""
+    cos, sin = angles
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotate-half RoPE (HF convention).
 
@@ -56,12 +72,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
         positions: int32 [B, T] absolute positions.
         inv_freq: [H/2].
     """
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, H]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos + rotated * sin
+    return rotate(x, rope_angles(positions, inv_freq, x.dtype))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ from flax import struct
 
 from dspark_jax import kernels as kernels_lib
 from dspark_jax.drafter_model import DrafterModel
-from dspark_jax.layers import apply_rope, rope_inv_freq
+from dspark_jax.layers import rope_angles, rope_inv_freq, rotate
 from dspark_jax.model import Decoder
 
 
@@ -70,13 +70,19 @@ def _chunk_positions(page_size: int, chunk_tokens: int) -> int:
 
 
 def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_pos=None, *,
-                            chunk_tokens: int = 256):
+                            chunk_tokens: int = 128):
     """Online-softmax attention of dense query blocks over each request's *used* pages (the CPU path).
 
     A `lax.while_loop` walks the page tables in chunks of `chunk_tokens` positions up to the longest context
     of the batch, so the cost follows the live context lengths, not `max_model_len`, and one compiled program
     serves every length. Keys at positions ≥ context_lens[r] are masked in the scores *and* their values are
     zeroed, so whatever a page held before (another request's values, even NaN) cannot leak into the output.
+
+    Layout: the (request, kv head) pair is the batch of every product and a kv head's Q·G queries are its rows,
+    and the gathered pages are contracted as they lie ([R, C, K, page, H], no transposed copy): on XLA:CPU this
+    is 1.5–7× faster than contracting [R, Q, K, G, H] queries against transposed pages (one request at 8
+    queries and context 64: 3.3 → 0.7 ms for 30 layers; 16 requests at context 512: 180 → 86 ms), and 128
+    positions per step beat 256 (fewer masked positions at short contexts, little loop overhead at long ones).
 
     Args:
         q: [R, Q, N, H] queries of request r.
@@ -87,8 +93,9 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
         chunk_tokens: positions gathered per iteration.
 
     Returns:
-        (acc [R, Q, K, G, H] f32 unnormalised, running max m [R, Q, K, G], denominator l [R, Q, K, G]);
-        `finish_attention` turns them into outputs, `merge_block_keys` adds a dense block of extra keys first.
+        (acc [R, K, Q·G, H] f32 unnormalised, running max m [R, K, Q·G], denominator l [R, K, Q·G]) with query
+        (t, g) of kv head k at row t·G + g; `finish_attention` turns them into outputs, `merge_block_keys` adds a
+        dense block of extra keys first.
     """
     R, Q, N, H = q.shape
     P, K, ps, _ = k_pages.shape
@@ -97,65 +104,77 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
     G = N // K
     cp = _chunk_positions(ps, chunk_tokens)
     S = cp * ps
-    qg = q.reshape(R, Q, K, G, H).astype(jnp.float32) / jnp.sqrt(jnp.float32(H))
-    precision = jax.lax.Precision.HIGHEST
+    qm = _query_rows(q, K)
+    qpos = None if q_pos is None else jnp.repeat(q_pos, G, axis=1)  # [R, Q·G]
     num_chunks = (jnp.max(context_lens) + S - 1) // S
 
     def body(c, state):
-        acc, m, l = state
         idx = jnp.clip(c * cp + jnp.arange(cp), 0, M - 1)
         pages = jnp.clip(block_tables[:, idx], 0, P - 1)  # [R, cp]
         kpos = c * S + jnp.arange(S)  # [S]
         exists = kpos[None] < context_lens[:, None]  # [R, S]
-        k = k_pages[pages].transpose(0, 2, 1, 3, 4).reshape(R, K, S, H).astype(jnp.float32)
-        v = v_pages[pages].transpose(0, 2, 1, 3, 4).reshape(R, K, S, H).astype(jnp.float32)
-        k = jnp.where(exists[:, None, :, None], k, 0.0)
-        v = jnp.where(exists[:, None, :, None], v, 0.0)
-        s = jnp.einsum("RQKGH,RKSH->RQKGS", qg, k, precision=precision)
-        visible = jnp.broadcast_to(exists[:, None, :], (R, Q, S))
-        if q_pos is not None:
-            visible = visible & (kpos[None, None, :] <= q_pos[:, :, None])
-        s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
-        return _online_update(acc, m, l, s, v)
+        k = k_pages[pages].astype(jnp.float32)  # [R, cp, K, ps, H]
+        v = jnp.where(exists.reshape(R, cp, 1, ps, 1), v_pages[pages].astype(jnp.float32), 0.0)
+        s = jnp.einsum("RKMH,RCKPH->RKMCP", qm, k, precision=_HIGHEST).reshape(R, K, Q * G, S)
+        visible = exists[:, None, :]  # [R, 1 | Q·G, S]; a key that does not exist stays hidden whatever it holds
+        if qpos is not None:
+            visible = visible & (kpos[None, None, :] <= qpos[:, :, None])
+        s = jnp.where(visible[:, None], s, -jnp.inf)
+        return _online_update(state, s, lambda p: jnp.einsum("RKMCP,RCKPH->RKMH", p.reshape(R, K, Q * G, cp, ps),
+                                                             v, precision=_HIGHEST))
 
-    init = (jnp.zeros((R, Q, K, G, H), jnp.float32), jnp.full((R, Q, K, G), -jnp.inf, jnp.float32),
-            jnp.zeros((R, Q, K, G), jnp.float32))
+    init = (jnp.zeros((R, K, Q * G, H), jnp.float32), jnp.full((R, K, Q * G), -jnp.inf, jnp.float32),
+            jnp.zeros((R, K, Q * G), jnp.float32))
     return jax.lax.fori_loop(0, num_chunks, body, init)
 
 
-def _online_update(acc, m, l, s, v):
-    """One online-softmax step: scores s [R, Q, K, G, S] (−inf = hidden) and values v [R, K, S, H]."""
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _query_rows(q, K: int):
+    """q [R, Q, N, H] → [R, K, Q·G, H] f32 scaled by 1/√H: kv head k's queries as rows t·G + g."""
+    R, Q, N, H = q.shape
+    G = N // K
+    qm = q.reshape(R, Q, K, G, H).transpose(0, 2, 1, 3, 4).reshape(R, K, Q * G, H)
+    return qm.astype(jnp.float32) / jnp.sqrt(jnp.float32(H))
+
+
+def _online_update(state, s, weighted_values):
+    """One online-softmax step: scores s [R, K, M, S] (−inf = hidden); `weighted_values(p)` = p · v [R, K, M, H]."""
+    acc, m, l = state
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(s - m_safe[..., None])  # hidden keys: exp(−inf) = 0
     scale = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
     l = l * scale + jnp.sum(p, axis=-1)
-    acc = acc * scale[..., None] + jnp.einsum("RQKGS,RKSH->RQKGH", p, v, precision=jax.lax.Precision.HIGHEST)
+    acc = acc * scale[..., None] + weighted_values(p)
     return acc, m_new, l
 
 
 def merge_block_keys(state, q, k, v, mask):
     """Adds a dense block of keys to an online-softmax state: q [R, Q, N, H], k, v [R, T, K, H],
     mask bool [R, Q, T] (True = visible). Used by the drafter, whose block also attends to itself."""
-    acc, m, l = state
-    R, Q, N, H = q.shape
     K = k.shape[2]
-    qg = q.reshape(R, Q, K, N // K, H).astype(jnp.float32) / jnp.sqrt(jnp.float32(H))
-    s = jnp.einsum("RQKGH,RTKH->RQKGT", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
-    return _online_update(acc, m, l, s, v.astype(jnp.float32).transpose(0, 2, 1, 3))
+    G = q.shape[2] // K
+    qm = _query_rows(q, K)
+    s = jnp.einsum("RKMH,RTKH->RKMT", qm, k.astype(jnp.float32), precision=_HIGHEST)
+    s = jnp.where(jnp.repeat(mask, G, axis=1)[:, None], s, -jnp.inf)
+    return _online_update(state, s, lambda p: jnp.einsum("RKMT,RTKH->RKMH", p, v.astype(jnp.float32),
+                                                         precision=_HIGHEST))
 
 
-def finish_attention(state, dtype) -> jax.Array:
-    """Online-softmax state → outputs [R, Q, N, H]; a query that saw no key gets zeros."""
+def finish_attention(state, dtype, num_queries: int) -> jax.Array:
+    """Online-softmax state of `num_queries` queries per request → outputs [R, Q, N, H]; a query that saw no
+    key gets zeros."""
     acc, _, l = state
-    R, Q, K, G, H = acc.shape
+    R, K, M, H = acc.shape
+    Q = num_queries
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return o.reshape(R, Q, K * G, H).astype(dtype)
+    return o.reshape(R, K, Q, M // Q, H).transpose(0, 2, 1, 3, 4).reshape(R, Q, K * (M // Q), H).astype(dtype)
 
 
 def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *, max_q_len: int,
-                             chunk_tokens: int = 256):
+                             chunk_tokens: int = 128):
     """Plain-jnp ragged paged attention (the CPU path; the Pallas kernel serves GPU/TPU and
     `ragged_verify_attention_reference` stays the oracle). Same contract as the kernel:
     q [T, N, H], pages [P, K, page_size, H], block_tables [R, M], context_lens [R], query_start [R+1] → [T, N, H].
@@ -174,7 +193,7 @@ def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, qu
     pos = (context_lens - q_len)[:, None] + i  # absolute position of each query [R, Q]
     state = paged_attention_partial(qr, k_pages, v_pages, block_tables, context_lens, pos,
                                     chunk_tokens=chunk_tokens)
-    o = finish_attention(state, jnp.float32)
+    o = finish_attention(state, jnp.float32, Q)
     o = jnp.where(valid[:, :, None, None], o, 0.0).reshape(-1, N, H)
     dest = jnp.where(valid, rows, T).reshape(-1)  # T = dropped
     return jnp.zeros((T, N, H), jnp.float32).at[dest].set(o, mode="drop").astype(q.dtype)
@@ -199,13 +218,13 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
     """
     cfg = model.cfg
     page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
-    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     use_kernel = kernels_lib.use_pallas(kernels_lib.KernelConfig.parse(kernels).attention)
     x = model.embed_tokens(tokens[None])  # [1, T, D]
+    angles = rope_angles(pos[None], rope_inv_freq(cfg.rope, cfg.head_dim), x.dtype)
     ks, vs, saved = [], [], {}
     for i, layer in enumerate(model.layers):
         q, k, v = layer.attn.qkv(layer.attn_norm(x))
-        q, k = apply_rope(q, pos[None], inv_freq), apply_rope(k, pos[None], inv_freq)
+        q, k = rotate(q, angles), rotate(k, angles)
         k_pages, v_pages = write_pages(kv.k[i], k[0], page, off), write_pages(kv.v[i], v[0], page, off)
         if use_kernel:
             a = kernels_lib.ragged_attention(q[0], k_pages, v_pages, block_tables, context_lens, query_start,
@@ -242,7 +261,7 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
 
 
 def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tables, lengths, anchor, *,
-                               chunk_tokens: int = 256):
+                               chunk_tokens: int = 128):
     """The drafter's parallel block pass (DrafterModel.block_hidden) reading its injected context from pages.
 
     anchor [B] sits at position lengths [B] (= committed tokens n); context entries 0..n−1 of row b live in
@@ -251,14 +270,14 @@ def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tab
     """
     x, positions = model.block_inputs(head, anchor, lengths)
     B, n_in = positions.shape
-    inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
+    angles = rope_angles(positions, rope_inv_freq(model.cfg.rope, model.cfg.head_dim), x.dtype)
     block_mask = jnp.ones((B, n_in, n_in), bool)
     for i, layer in enumerate(model.layers):
         q, k, v = layer.attn.qkv(layer.attn_norm(x))
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = rotate(q, angles), rotate(k, angles)
         state = paged_attention_partial(q, kv.k[i], kv.v[i], block_tables, lengths, None,
                                         chunk_tokens=chunk_tokens)
-        a = finish_attention(merge_block_keys(state, q, k, v, block_mask), x.dtype)
+        a = finish_attention(merge_block_keys(state, q, k, v, block_mask), x.dtype, n_in)
         x = x + layer.attn.out(a)
         x = x + layer.mlp(layer.mlp_norm(x))
     return model.block_output(x)

@@ -3,10 +3,12 @@ beside transformers' and our own batch-1 `generate` on the same weights, in one 
 
 For each scheduler one engine is built with the server's default sizes (`--max-batch 16`, max_model_len from
 the target; every step shape compiled and the SPS table profiled at start-up, as `python -m dspark_jax.serve`
-does); then for each concurrency c, c requests with mixed real prompts (MT-Bench, HumanEval, held-out math;
-chat-templated) run together to completion (beyond max batch they queue, as on the server). Printed per
-cell: total tokens/s (all generated tokens / wall time of the wave), per-user tokens/s (mean over requests of
-generated tokens / its own latency), τ (tokens per request-step) and mean verification tokens per pass.
+does); then for each concurrency c a closed loop over max(c, --min-requests) requests with mixed real prompts
+(MT-Bench, HumanEval, held-out math; chat-templated): c in flight, the next submitted as one finishes (beyond
+max batch they queue, as on the server). One engine serves the levels in order, as a server would. Printed per
+cell: total tokens/s (all generated tokens / wall time of the level), per-user tokens/s (mean over requests of
+generated tokens / its own latency), τ (tokens per request-step), mean verification tokens per pass and the
+share of plain steps (no draft pass).
 Reference lines at batch 1 on the same prompts, one after another: transformers' `model.generate` (greedy,
 torch, the same GGUF weights), our `dspark_jax.generate` target-only and with the drafter. Per-phase times of
 one step (draft, schedule, verify, host) are measured at concurrency 1 and 16. A JSON and a PNG are written.
@@ -40,11 +42,14 @@ def prompts_for(target, n: int, seed: int, max_len: int) -> list[list[int]]:
     return [ids[i] for i in order[:n]]
 
 
-def run_wave(engine, prompts, max_tokens: int, temperature: float) -> dict:
+def run_load(engine, prompts, concurrency: int, max_tokens: int, temperature: float) -> dict:
+    """A closed loop: `concurrency` requests in flight, the next submitted as one finishes, until every prompt
+    has been served (len(prompts) ≥ concurrency requests in all; beyond max batch they queue, as on the server)."""
     from serve.types import EngineRequest, SamplingParams
 
-    done = threading.Event()
     lock = threading.Lock()
+    slots = threading.Semaphore(concurrency)
+    done = threading.Event()
     state = {"left": len(prompts)}
     t_submit, t_end, counts = {}, {}, {}
 
@@ -56,12 +61,16 @@ def run_wave(engine, prompts, max_tokens: int, temperature: float) -> dict:
                 state["left"] -= 1
                 if state["left"] == 0:
                     done.set()
+        if o.finish_reason is not None:
+            slots.release()
 
     before = engine.metrics()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
+        slots.acquire()
         rid = f"w{time.monotonic_ns()}-{i}"
-        t_submit[rid] = time.perf_counter()
+        with lock:
+            t_submit[rid] = time.perf_counter()
         engine.add_request(EngineRequest(request_id=rid, prompt_ids=p, on_output=on_output,
                                          params=SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                                                seed=i)))
@@ -69,10 +78,15 @@ def run_wave(engine, prompts, max_tokens: int, temperature: float) -> dict:
     wall = time.perf_counter() - t0
     after = engine.metrics()
     steps = after["steps_total"] - before["steps_total"]
+    d = {k: after[k] - before[k] for k in ("plain_steps_total", "emitted_total", "row_steps_total",
+                                            "verify_tokens_total")}
     total = sum(counts.values())
     per_user = float(np.mean([counts[r] / (t_end[r] - t_submit[r]) for r in counts]))
-    return {"total_tps": total / wall, "per_user_tps": per_user, "tokens": total, "wall_s": wall, "steps": steps,
-            "tau": after["tokens_per_step"], "verify_tokens_per_pass": after["verify_tokens_per_pass"]}
+    plain_share = d["plain_steps_total"] / max(steps, 1) if engine.core.L else 1.0  # no drafter: all plain
+    return {"total_tps": total / wall, "per_user_tps": per_user, "requests": len(prompts), "tokens": total,
+            "wall_s": wall, "steps": steps, "plain_step_share": plain_share,
+            "tau": d["emitted_total"] / max(d["row_steps_total"], 1),
+            "verify_tokens_per_pass": d["verify_tokens_total"] / max(steps, 1)}
 
 
 def reference_lines(target, drafter, prompts, max_tokens: int, target_spec: str) -> dict:
@@ -157,6 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--schedulers", nargs="+", default=["none", "fixed:1", "fixed:3", "fixed:7", "dspark"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--min-requests", type=int, default=8,
+                   help="requests served per concurrency level at least (closed loop: c in flight, max(c, this) "
+                        "in all)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the server's (from the target)")
     p.add_argument("--out", default="reports/serve", help="directory for bench_serve.json and throughput.png")
@@ -170,7 +187,7 @@ def main(argv=None) -> int:
 
     target = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
-    prompts = prompts_for(target, max(args.concurrency), args.seed, 512 - args.max_tokens)
+    prompts = prompts_for(target, max(max(args.concurrency), args.min_requests), args.seed, 512 - args.max_tokens)
     print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
     refs = reference_lines(target, drafter, prompts[: args.reference_prompts], args.max_tokens, args.target)
     for k, v in refs.items():
@@ -198,10 +215,11 @@ def main(argv=None) -> int:
                                    progress=False)
         results[sched] = {}
         for c in args.concurrency:
-            r = run_wave(engine, prompts[:c], args.max_tokens, args.temperature)
+            r = run_load(engine, prompts[: max(c, args.min_requests)], c, args.max_tokens, args.temperature)
             results[sched][c] = r
-            print(f"[{sched}] c={c:3d}  total {r['total_tps']:7.2f} tok/s  per-user {r['per_user_tps']:6.2f} tok/s  "
-                  f"τ {r['tau']:.2f}  verify/pass {r['verify_tokens_per_pass']:.1f}", flush=True)
+            print(f"[{sched}] c={c:3d}  {r['requests']:3d} requests  total {r['total_tps']:7.2f} tok/s  per-user "
+                  f"{r['per_user_tps']:6.2f} tok/s  τ {r['tau']:.2f}  verify/pass {r['verify_tokens_per_pass']:.1f}"
+                  f"  plain steps {100 * r['plain_step_share']:.0f}%", flush=True)
         engine.stop()
     os.makedirs(args.out, exist_ok=True)
     print("\ntotal tokens/s (ratio to the best fixed:N at the same concurrency)")

@@ -4,6 +4,7 @@ Each app gets its own `CollectorRegistry` (several apps in one process, as in te
 Names (all prefixed `dspark_`):
 
   requests_total, prompt_tokens_total, generation_tokens_total, steps_total    counters
+  plain_steps_total                        steps that ran no draft pass (dspark skips drafts that do not pay)
   requests_running, requests_waiting                                              gauges (queue depth)
   tokens_per_step                          τ: mean tokens emitted per request per target pass
   acceptance_rate{position="k"}            acceptance of draft position k = 1..L
@@ -33,6 +34,7 @@ _COUNTERS = {
     "prompt_tokens_total": ("prompt_tokens", "Prompt tokens prefilled."),
     "generation_tokens_total": ("generation_tokens", "Tokens generated."),
     "steps_total": ("steps", "Engine steps (target passes)."),
+    "plain_steps_total": ("plain_steps", "Engine steps that ran no draft pass."),
 }
 _GAUGES = {
     "requests_running": ("requests_running", "Requests holding a batch slot."),
