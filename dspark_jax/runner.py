@@ -206,8 +206,11 @@ def draft_program(tparams, dparams, dkv, block_tables, lengths, anchors, keys, r
 def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or_k, *, tg, dg, capacity, mode,
                    block_size, hidden_layers, kernels, policy=None):
     """Schedule (mode "lengths": ℓ given; "topk": top-K fill of the current survival; "policy": `policy`'s
-    ℓ from the current confidences, on device), one flat target pass over the capacity bucket, lossless
-    verification, commit of the drafter context. The capacity must hold every active row's ℓ + 1 tokens.
+    ℓ from the current confidences, on device; "plain": ℓ = 0, a plain step), one flat target pass over the
+    capacity bucket, lossless verification, commit of the drafter context. The capacity must hold every active
+    row's ℓ + 1 tokens. A plain step's pass reads one query per request (a speculative one L + 1), so it costs
+    what a target-only step does plus the drafter's context write, and samples its token as `verify` does at
+    ℓ = 0 (the same key, the same draw).
 
     Returns (tkv, dkv, emitted [Bb, L+1], num_emitted [Bb], num_accepted [Bb], lengths [Bb], logprobs)."""
     L = block_size
@@ -217,6 +220,8 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
            mode if policy is None else str(policy)] += 1
     if mode == "topk":
         lengths = topk_fill(survival(conf), lengths_or_k, active)
+    elif mode == "plain":
+        lengths = jnp.zeros((Bb,), jnp.int32)
     elif mode == "policy":
         lengths = jnp.where(active, policy.lengths(conf, L), 0) if L else jnp.zeros((Bb,), jnp.int32)
     else:
@@ -232,7 +237,8 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
     pos = n[slot] + j
     target = nnx.merge(tg, tparams)
     h, tkv, feats = target_forward_flat(target, tkv, tokens, slot, pos, valid, tables, n + q_len, query_start,
-                                        max_q_len=L + 1, hidden_layers=hidden_layers, kernels=kernels)
+                                        max_q_len=1 if mode == "plain" else L + 1, hidden_layers=hidden_layers,
+                                        kernels=kernels)
     # The LM head on the bucket's rows only (∝ capacity), then each request's L+1 rows gathered from them.
     flat_logits = target.head(h)  # [capacity, V]
     rows = jnp.clip(query_start[:-1, None] + jnp.arange(L + 1), 0, capacity - 1)  # [Bb, L+1]
@@ -245,6 +251,16 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
                            lambda: sample(verify_keys, filter_probs(logits, temp, tk, tp)))
         emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
         lp = _logprob_outputs(logits[:, None], emitted, jnp.any(batch["logprobs"] & active))
+        return tkv, dkv, emitted, zeros + 1, zeros, lengths, lp
+    if mode == "plain" and dg is not None:
+        logits = flat_logits[rows[:, 0]]
+        emit_keys = jax.vmap(lambda k: jax.random.split(k)[1])(verify_keys)  # `verify`'s draw at ℓ = 0
+        tok = jax.lax.cond(greedy, lambda: jnp.argmax(logits, -1).astype(jnp.int32),
+                           lambda: sample(emit_keys, filter_probs(logits, temp, tk, tp)))
+        emitted = jnp.concatenate([tok[:, None], jnp.full((Bb, L), -1, jnp.int32)], 1)
+        dkv = drafter_write_flat(nnx.merge(dg, dparams), dkv, feats, slot, pos, valid, tables)
+        lp = _logprob_outputs(flat_logits[rows], emitted, jnp.any(batch["logprobs"] & active))
+        zeros = jnp.zeros((Bb,), jnp.int32)
         return tkv, dkv, emitted, zeros + 1, zeros, lengths, lp
     res = jax.lax.cond(
         greedy,
@@ -391,7 +407,8 @@ class ModelRunner:
         verification pass — and returns its device outputs without waiting for them. Exactly one of
         `lengths` (host ℓ per row), `budget` (K for the top-K fill) and `policy` (ℓ on device)."""
         Bb = dev["active"].shape[0]
-        if isinstance(drafts, str) and drafts == "skip":  # a plain step: no draft pass, ℓ = 0 for every row
+        plain = isinstance(drafts, str) and drafts == "skip"
+        if plain:  # a plain step: no draft pass, ℓ = 0 for every row
             drafts = self._no_drafts(Bb)  # (the drafter's context is still written for the new token)
             lengths, budget, policy = np.zeros(Bb, np.int32), None, None
         if self.drafter is not None and drafts is None:
@@ -400,7 +417,8 @@ class ModelRunner:
             drafts = self._put((np.zeros((Bb, 0), np.int32), np.zeros((Bb, 0, 1), np.float32),
                                 np.zeros((Bb, 0), np.float32)))
         draft, q, conf = drafts
-        mode = "topk" if budget is not None else "policy" if policy is not None else "lengths"
+        mode = ("plain" if plain and self.L else "topk" if budget is not None else "policy" if policy is not None
+                else "lengths")
         arg = self._put(np.int32(budget if budget is not None else 0) if lengths is None
                         else np.asarray(lengths, np.int32))
         s = self._static
@@ -473,8 +491,7 @@ class ModelRunner:
             jobs += [("draft", bb) for bb in self.batch_buckets]
         jobs += [("verify", bb, cap, mode) for bb, cap in shapes for mode in modes]
         if plain and self.drafter is not None:  # plain steps (no draft pass) at one token per row
-            jobs += [("verify", bb, cap, "lengths") for bb, cap in self.plain_shapes()
-                     if ("verify", bb, cap, "lengths") not in jobs]
+            jobs += [("verify", bb, cap, "plain") for bb, cap in self.plain_shapes()]
         jobs += [("advance", bb) for bb in self.batch_buckets]  # the on-device bookkeeping of chained rounds
         for i, job in enumerate(jobs):
             if job[0] == "advance":
@@ -495,6 +512,8 @@ class ModelRunner:
                 b.rows = 0
                 if mode == "topk":
                     self.step(b, capacity=cap, budget=0)
+                elif mode == "plain":
+                    self.step(b, capacity=cap, drafts="skip")
                 else:
                     self.step(b, capacity=cap, lengths=np.zeros(bb, np.int32))
             if progress is not None:

@@ -472,16 +472,18 @@ class EngineCore:
 
     def _stale_confidence(self, running, Bb: int):
         """Confidences at least two passes old for the rows [Bb, L] (the newest such pass: after plain steps the
-        last speculative pass may be old enough); a request without one yet counts as unknown (1)."""
+        last speculative pass may be old enough). A request without one yet (it joined since) gets the mean of
+        that pass's rows: a newcomer is priced like the requests the drafter was last seen on, not as a sure
+        accept (1), which under steady arrivals would draft every step on the newcomers' account."""
         now = self.stats["steps_total"]
         usable = [c for t, c in self._conf_history if t <= now - 2]
         if not usable:
             return None
         old = usable[-1]
+        prior = np.mean(np.stack(list(old.values())), axis=0) if old else np.ones(self.L, np.float32)
         conf = np.ones((Bb, self.L), np.float32)
         for i, r in enumerate(running):
-            if r.rid in old:
-                conf[i] = old[r.rid]
+            conf[i] = old.get(r.rid, prior)
         return conf
 
     def step(self) -> bool:
