@@ -103,6 +103,38 @@ def test_no_xla_compilation_after_warm_up(tiny, scheduler):
         engine.stop()
 
 
+def test_plain_steps_read_one_query_per_request(tiny, monkeypatch):
+    """A step that skips drafting is priced (and profiled) as a plain one, so its target pass must read one query
+    per request, not the L + 1 of a speculative pass: traced here through a spy on the target pass, on a page
+    size no other test uses so every program traces afresh (red when plain steps ran the speculative verify
+    program). The output is the target-only one."""
+    import dspark_jax.runner as runner_mod
+
+    target, drafter, prompts, ref = tiny
+    seen = []
+    real = runner_mod.target_forward_flat
+
+    def spy(*args, **kw):
+        seen.append(kw["max_q_len"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(runner_mod, "target_forward_flat", spy)
+    engine = create_engine(target_obj=target, drafter_obj=drafter, scheduler="dspark", max_batch=2,
+                           max_model_len=66, page_size=2, chunk_sizes=(8,), progress=False, profile=False)
+    try:
+        L = drafter.config.block_size
+        assert 1 in seen and L + 1 in seen and set(seen) <= {1, L + 1, 8}, seen  # plain, speculative, prefill
+        out = []
+        core = engine.core_only()
+        core.add_request(EngineRequest(request_id="0", prompt_ids=prompts[0], on_output=lambda o: out.extend(
+            o.token_ids), params=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)))
+        while core.has_work():
+            core.step()
+        assert out == ref[0]
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
     import openai
