@@ -45,7 +45,7 @@ from dspark_jax.keys import DRAFT, VERIFY, round_keys
 from dspark_jax.paged import PagedKV, drafter_block_hidden_paged, drafter_write_flat, target_forward_flat
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 from dspark_jax.scheduling import survival, topk_fill
-from dspark_jax.verification import greedy_verify, verify
+from dspark_jax.verification import VerifyResult, greedy_verify, verify
 
 TRACES: collections.Counter = collections.Counter()
 # XLA compilations per jitted function name in this process. A Python trace is not the only way to compile:
@@ -134,6 +134,13 @@ def advance(dev: dict, emitted, num_accepted) -> dict:
     rows = jnp.arange(m.shape[0])
     return {**dev, "lengths": jnp.where(active, dev["lengths"] + m + 1, dev["lengths"]),
             "anchors": jnp.where(active, emitted[rows, m], dev["anchors"]), "rounds": dev["rounds"] + 1}
+
+
+def _first_token(logits, keys, greedy, temp, top_k, top_p):
+    """The token after each anchor from its logits [Bb, V]: argmax when every row is greedy, else a draw of the
+    filtered distribution with each row's key."""
+    return jax.lax.cond(greedy, lambda: jnp.argmax(logits, -1).astype(jnp.int32),
+                        lambda: sample(keys, filter_probs(logits, temp, top_k, top_p)))
 
 
 def _logprob_outputs(logits, tokens, want):
@@ -245,27 +252,22 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
     temp, tk, tp = batch["temperature"], batch["top_k"], batch["top_p"]
     greedy = all_greedy(jnp.where(active, temp, 0.0))
     verify_keys = round_keys(batch["keys"], batch["rounds"], VERIFY)
+    first = flat_logits[rows[:, 0]]  # [Bb, V]: each request's row after its anchor
     if L == 0:  # target only: sample the token after each anchor
-        logits = flat_logits[rows[:, 0]]
-        tok = jax.lax.cond(greedy, lambda: jnp.argmax(logits, -1).astype(jnp.int32),
-                           lambda: sample(verify_keys, filter_probs(logits, temp, tk, tp)))
+        tok = _first_token(first, verify_keys, greedy, temp, tk, tp)
         emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
-        lp = _logprob_outputs(logits[:, None], emitted, jnp.any(batch["logprobs"] & active))
+        lp = _logprob_outputs(first[:, None], emitted, jnp.any(batch["logprobs"] & active))
         return tkv, dkv, emitted, zeros + 1, zeros, lengths, lp
-    if mode == "plain" and dg is not None:
-        logits = flat_logits[rows[:, 0]]
-        emit_keys = jax.vmap(lambda k: jax.random.split(k)[1])(verify_keys)  # `verify`'s draw at ℓ = 0
-        tok = jax.lax.cond(greedy, lambda: jnp.argmax(logits, -1).astype(jnp.int32),
-                           lambda: sample(emit_keys, filter_probs(logits, temp, tk, tp)))
-        emitted = jnp.concatenate([tok[:, None], jnp.full((Bb, L), -1, jnp.int32)], 1)
-        dkv = drafter_write_flat(nnx.merge(dg, dparams), dkv, feats, slot, pos, valid, tables)
-        lp = _logprob_outputs(flat_logits[rows], emitted, jnp.any(batch["logprobs"] & active))
+    if mode == "plain":  # ℓ = 0 for every row: the token after each anchor, drawn as `verify` draws it at ℓ = 0
+        emit_keys = jax.vmap(lambda k: jax.random.split(k)[1])(verify_keys)
+        tok = _first_token(first, emit_keys, greedy, temp, tk, tp)
         zeros = jnp.zeros((Bb,), jnp.int32)
-        return tkv, dkv, emitted, zeros + 1, zeros, lengths, lp
-    res = jax.lax.cond(
-        greedy,
-        lambda: greedy_verify(jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows], draft, lengths),
-        lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, tk, tp), draft, q, lengths))
+        res = VerifyResult(jnp.concatenate([tok[:, None], jnp.full((Bb, L), -1, jnp.int32)], 1), zeros + 1, zeros)
+    else:
+        res = jax.lax.cond(
+            greedy,
+            lambda: greedy_verify(jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows], draft, lengths),
+            lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, tk, tp), draft, q, lengths))
     if dg is not None:
         dkv = drafter_write_flat(nnx.merge(dg, dparams), dkv, feats, slot, pos, valid, tables)
     lp = _logprob_outputs(flat_logits[rows], res.emitted_tokens, jnp.any(batch["logprobs"] & active))

@@ -82,9 +82,8 @@ def run_load(engine, prompts, concurrency: int, max_tokens: int, temperature: fl
                                             "verify_tokens_total")}
     total = sum(counts.values())
     per_user = float(np.mean([counts[r] / (t_end[r] - t_submit[r]) for r in counts]))
-    plain_share = d["plain_steps_total"] / max(steps, 1) if engine.core.L else 1.0  # no drafter: all plain
     return {"total_tps": total / wall, "per_user_tps": per_user, "requests": len(prompts), "tokens": total,
-            "wall_s": wall, "steps": steps, "plain_step_share": plain_share,
+            "wall_s": wall, "steps": steps, "plain_step_share": d["plain_steps_total"] / max(steps, 1),
             "tau": d["emitted_total"] / max(d["row_steps_total"], 1),
             "verify_tokens_per_pass": d["verify_tokens_total"] / max(steps, 1)}
 

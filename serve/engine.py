@@ -387,7 +387,7 @@ class EngineCore:
         """Numbers a dispatched pass (the clock of stale confidences) and counts its plain steps."""
         index = self.stats["steps_total"]
         self.stats["steps_total"] += 1
-        if isinstance(plan.drafts, str):
+        if isinstance(plan.drafts, str) or not self.L:  # a skipped draft, or no drafter at all
             self.stats["plain_steps_total"] += 1
         return index
 
