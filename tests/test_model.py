@@ -168,3 +168,21 @@ def test_forward_through_the_pallas_attention_kernel_matches_transformers(tmp_pa
     out, _, _ = target.forward(block, cache, kernels="pallas")
     np.testing.assert_allclose(np.asarray(out)[0], ref[0, 12:15], atol=1e-4, rtol=0)
     np.testing.assert_allclose(np.asarray(out)[1], ref[1, 9:12], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (1, 5, 48), (2, 8, 48), (33, 48), (3, 1, 48)])
+def test_tied_head_equals_the_plain_product_at_every_row_count(shape):
+    """The tied LM head picks its product's operand order by row count (model.tied_head); every order must give
+    h @ embedᵀ in the caller's shape."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.model import tied_head
+
+    rng = np.random.default_rng(0)
+    embed = jnp.asarray(rng.standard_normal((300, 48), np.float32))
+    h = jnp.asarray(rng.standard_normal(shape, np.float32))
+    out = np.asarray(jax.jit(tied_head)(h, embed))
+    want = np.asarray(h) @ np.asarray(embed).T
+    assert out.shape == want.shape
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
