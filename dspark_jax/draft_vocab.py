@@ -43,8 +43,15 @@ def head_logits(head, h: jax.Array, cfg) -> jax.Array:
     """Draft logits: the target's frozen LM head on h [..., D], restricted to the subset → f32 [..., Vd]."""
     if not is_reduced(cfg):
         return head.logits(h)
-    w = jnp.take(head.lm_head, d2t(cfg), axis=1)  # [D, Vd]
+    w = head.draft_lm_head if getattr(head, "draft_lm_head", None) is not None else subset_head(head.lm_head, cfg)
     return jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32)
+
+
+def subset_head(lm_head: jax.Array, cfg) -> jax.Array:
+    """The target's LM head [D, V] restricted to the subset's columns → [D, Vd]. Gathered inside a program it
+    copies Vd·D values on every call (3.5 ms of a 5 ms draft pass at one request, SmolLM2 on XLA:CPU); a caller
+    that drafts repeatedly computes it once and hands it over as `TargetHead.draft_lm_head`."""
+    return jnp.take(lm_head, d2t(cfg), axis=1)
 
 
 def to_target(tokens: jax.Array, cfg) -> jax.Array:

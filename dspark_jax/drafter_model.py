@@ -35,11 +35,14 @@ class TargetHead:
 
     embed: jax.Array
     lm_head: jax.Array
+    draft_lm_head: jax.Array | None = None  # [D, Vd]: lm_head's reduced-vocabulary columns, gathered once
 
     @classmethod
-    def from_params(cls, params, tied: bool) -> TargetHead:
+    def from_params(cls, params, tied: bool, draft_lm_head: jax.Array | None = None) -> TargetHead:
+        """`draft_lm_head` (draft_vocab.subset_head, computed once outside the program) saves a drafter with a
+        reduced vocabulary from gathering its Vd columns out of the [D, V] head on every call."""
         embed = params["embed"][...]
-        return cls(embed=embed, lm_head=embed.T if tied else params["lm_head"][...])
+        return cls(embed=embed, lm_head=embed.T if tied else params["lm_head"][...], draft_lm_head=draft_lm_head)
 
     def logits(self, h: jax.Array) -> jax.Array:
         return jnp.einsum("...D,DV->...V", h, self.lm_head, preferred_element_type=jnp.float32)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import draft_vocab
 from dspark_jax import kernels as kernels_lib
 from dspark_jax.drafter import draft_from_hidden
 from dspark_jax.drafter_model import TargetHead
@@ -196,13 +197,14 @@ def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row
 
 
 @functools.partial(jax.jit, static_argnames=("dg", "tied", "kernels"))
-def draft_program(tparams, dparams, dkv, block_tables, lengths, anchors, keys, rounds, temp, top_k, top_p, *, dg,
-                  tied, kernels):
+def draft_program(tparams, dparams, dhead, dkv, block_tables, lengths, anchors, keys, rounds, temp, top_k, top_p, *,
+                  dg, tied, kernels):
     """Every row of the batch bucket drafts a block from its paged context → (draft [Bb, L], q [Bb, L, V],
-    confidence [Bb, L]). Padding rows have no context and are ignored downstream."""
+    confidence [Bb, L]). Padding rows have no context and are ignored downstream. `dhead`: the reduced draft
+    vocabulary's head columns [D, Vd] (ModelRunner gathers them once), or None."""
     TRACES[(None, hash(dg)), _pool_key(dkv, block_tables), "draft", anchors.shape[0]] += 1
     model = nnx.merge(dg, dparams)
-    head = TargetHead.from_params(tparams, tied)
+    head = TargetHead.from_params(tparams, tied, draft_lm_head=dhead)
     h = drafter_block_hidden_paged(model, head, dkv, block_tables, lengths, anchors)
     return draft_from_hidden(model, head, h, anchors, round_keys(keys, rounds, DRAFT), temp, top_k, top_p,
                              kernels)
@@ -327,6 +329,10 @@ class ModelRunner:
             self.tparams = shard_params(self.tparams, mesh)
             if drafter is not None:
                 self.dparams = shard_params(self.dparams, mesh)
+        self.dhead = None  # a reduced draft vocabulary's head columns, gathered once here, not in every draft
+        if drafter is not None and draft_vocab.is_reduced(drafter.config):
+            lm_head = TargetHead.from_params(self.tparams, target.config.tie_word_embeddings).lm_head
+            self.dhead = draft_vocab.subset_head(lm_head, drafter.config)
         self._placeholders: dict = {}  # batch bucket → placeholder drafts of a plain step
         self._static = dict(tg=target.graphdef, dg=drafter.graphdef if drafter is not None else None,
                             hidden_layers=drafter.config.target_layers if drafter is not None else (),
@@ -398,7 +404,7 @@ class ModelRunner:
 
     def _draft(self, dev: dict):
         s = self._static
-        return draft_program(self.tparams, self.dparams, self.dkv, dev["block_tables"], dev["lengths"],
+        return draft_program(self.tparams, self.dparams, self.dhead, self.dkv, dev["block_tables"], dev["lengths"],
                              dev["anchors"], dev["keys"], dev["rounds"], dev["temperature"], dev["top_k"],
                              dev["top_p"], dg=s["dg"], tied=self.target.config.tie_word_embeddings,
                              kernels=s["kernels"])
