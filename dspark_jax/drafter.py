@@ -58,11 +58,14 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
 
 
 def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, temperature, top_k, top_p,
-                      kernels: str = "auto"):
+                      kernels: str = "auto", full_vocab_q: bool = True):
     """The sampling half of `draft_block` (dspark/dflash): block hidden states h [B, L, D] → (draft tokens
     [B, L], draft probs [B, L, V], confidence [B, L]). The serving engine computes h from paged context
-    (dspark_jax/paged.py) and shares this function, so both paths sample drafts identically."""
+    (dspark_jax/paged.py) and shares this function, so both paths sample drafts identically.
+    `full_vocab_q=False` leaves q over the drafter's own vocabulary [B, L, Vd] (a reduced one's subset; the
+    caller maps it with `draft_vocab.to_vocab` where it needs it: greedy verification never does)."""
     cfg = model.cfg
+    widen = (lambda probs: draft_vocab.to_vocab(probs, cfg)) if full_vocab_q else (lambda probs: probs)
     L = cfg.block_size
     B = anchor.shape[0]
     greedy = all_greedy(temperature)
@@ -73,7 +76,7 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
         if cfg.confidence:  # a confidence head without the Markov input reads h_k alone (DeepSpec allows it)
             t = jnp.asarray(cfg.calibration or 1.0, jnp.float32)
             conf = jax.nn.sigmoid(model.confidence_logit(h, None) / t)
-        return draft_vocab.to_target(sample(keys, probs, greedy), cfg), draft_vocab.to_vocab(probs, cfg), conf
+        return draft_vocab.to_target(sample(keys, probs, greedy), cfg), widen(probs), conf
 
     temps = jnp.asarray(cfg.calibration, jnp.float32) if cfg.calibration else jnp.ones((L,), jnp.float32)
 
@@ -91,7 +94,7 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
         state0 = jnp.zeros((B, cfg.markov_rank), model.markov_w1[...].dtype)
         xs = (jnp.arange(L), h.swapaxes(0, 1), U.swapaxes(0, 1), temps)
         _, (tok, probs, conf) = jax.lax.scan(body, (anchor, state0), xs)
-        return tok.T.astype(jnp.int32), draft_vocab.to_vocab(probs.swapaxes(0, 1), cfg), conf.T.astype(jnp.float32)
+        return tok.T.astype(jnp.int32), widen(probs.swapaxes(0, 1)), conf.T.astype(jnp.float32)
 
     # The fused kernel indexes W1 by the sampled token: a reduced vocabulary takes the scan path.
     fused = kernels_lib.use_pallas(kernels_lib.KernelConfig.parse(kernels).markov) and not draft_vocab.is_reduced(cfg)

@@ -199,15 +199,16 @@ def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row
 @functools.partial(jax.jit, static_argnames=("dg", "tied", "kernels"))
 def draft_program(tparams, dparams, dhead, dkv, block_tables, lengths, anchors, keys, rounds, temp, top_k, top_p, *,
                   dg, tied, kernels):
-    """Every row of the batch bucket drafts a block from its paged context → (draft [Bb, L], q [Bb, L, V],
-    confidence [Bb, L]). Padding rows have no context and are ignored downstream. `dhead`: the reduced draft
-    vocabulary's head columns [D, Vd] (ModelRunner gathers them once), or None."""
+    """Every row of the batch bucket drafts a block from its paged context → (draft [Bb, L], q [Bb, L, Vd],
+    confidence [Bb, L]): q over the drafter's vocabulary (Vd = V unless it is reduced), widened to V only where
+    sampled verification reads it. Padding rows have no context and are ignored downstream. `dhead`: the
+    reduced draft vocabulary's head columns [D, Vd] (ModelRunner gathers them once), or None."""
     TRACES[(None, hash(dg)), _pool_key(dkv, block_tables), "draft", anchors.shape[0]] += 1
     model = nnx.merge(dg, dparams)
     head = TargetHead.from_params(tparams, tied, draft_lm_head=dhead)
     h = drafter_block_hidden_paged(model, head, dkv, block_tables, lengths, anchors)
     return draft_from_hidden(model, head, h, anchors, round_keys(keys, rounds, DRAFT), temp, top_k, top_p,
-                             kernels)
+                             kernels, full_vocab_q=False)
 
 
 @functools.partial(jax.jit, static_argnames=("tg", "dg", "capacity", "mode", "block_size", "hidden_layers",
@@ -269,7 +270,8 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
         res = jax.lax.cond(
             greedy,
             lambda: greedy_verify(jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows], draft, lengths),
-            lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, tk, tp), draft, q, lengths))
+            lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, tk, tp), draft,
+                           draft_vocab.to_vocab(q, nnx.merge(dg, dparams).cfg), lengths))
     if dg is not None:
         dkv = drafter_write_flat(nnx.merge(dg, dparams), dkv, feats, slot, pos, valid, tables)
     lp = _logprob_outputs(flat_logits[rows], res.emitted_tokens, jnp.any(batch["logprobs"] & active))
@@ -399,7 +401,8 @@ class ModelRunner:
                           "logprobs": np.asarray(b.logprobs, bool)})
 
     def draft(self, b: StepBatch, dev: dict | None = None):
-        """(draft, q, confidence) device arrays for every row of the batch bucket."""
+        """(draft, q, confidence) device arrays for every row of the batch bucket; q is over the drafter's
+        vocabulary, [Bb, L, Vd] (`draft_vocab.to_vocab` widens it to the target's)."""
         return self._draft(self.device_batch(b) if dev is None else dev)
 
     def _draft(self, dev: dict):
@@ -468,7 +471,7 @@ class ModelRunner:
     def _no_drafts(self, Bb: int):
         """Placeholder drafts for a plain step (never read: every ℓ is 0), kept on device per batch bucket."""
         if Bb not in self._placeholders:
-            V = self.target.config.vocab_size
+            V = draft_vocab.size(self.drafter.config)
             self._placeholders[Bb] = self._put((np.zeros((Bb, self.L), np.int32),
                                                 np.zeros((Bb, self.L, V), np.float32),
                                                 np.zeros((Bb, self.L), np.float32)))

@@ -24,6 +24,7 @@ import pytest
 from conftest import REFERENCE_PROMPTS
 from naive_drafter import NaiveDrafter, flat_params, hf_features, softmax
 
+from dspark_jax import draft_vocab
 from dspark_jax.decoding import first_token, pad_prompts, prefill, row_keys, sampling_arrays, step_keys
 from dspark_jax.drafter import draft_block
 from dspark_jax.drafter_model import TargetHead
@@ -125,7 +126,8 @@ def runner_rounds_against_reference(hf, target, drafter, prompts, rounds: int, a
         batch.anchors[:] = [s[-1] for s in seqs]
         batch.block_tables[:], batch.keys[:], batch.rounds[:] = pages, keys, rnd
         sampled = dataclasses.replace(batch, temperature=np.ones(B, np.float32))  # drafts at T = 1: all of q
-        tok, q, conf = jax.device_get(runner.draft(sampled))
+        tok, q, conf = runner.draft(sampled)
+        tok, q, conf = jax.device_get((tok, draft_vocab.to_vocab(q, drafter.config), conf))  # q over the target's V
         for b in range(B):
             max_err = max(max_err, check_row(naive, hf, cfg, seqs[b], tok[b], q[b], conf[b], atol, rnd, b))
         res = runner.step(batch, capacity=runner.capacities[-1], lengths=np.full(B, L, np.int32))
