@@ -43,7 +43,7 @@ def head_logits(head, h: jax.Array, cfg) -> jax.Array:
     """Draft logits: the target's frozen LM head on h [..., D], restricted to the subset → f32 [..., Vd]."""
     if not is_reduced(cfg):
         return head.logits(h)
-    w = head.draft_lm_head if getattr(head, "draft_lm_head", None) is not None else subset_head(head.lm_head, cfg)
+    w = head.draft_lm_head if head.draft_lm_head is not None else subset_head(head.lm_head, cfg)
     return jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32)
 
 
