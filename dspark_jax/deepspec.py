@@ -51,6 +51,7 @@ MARKOV_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}  # DeepSpec
 # Training-only fields DeepSpec's model classes assert on; their values do not change inference.
 TRAIN_DEFAULTS = {"num_anchors": 512, "step_loss_decay": 0.8}
 CALIBRATION_KEY = "dspark_jax_calibration"  # ours, ignored by DeepSpec (sequential temperature scaling)
+OFFSETS_KEY = "dspark_jax_calibration_offsets"  # ours too: the logit offsets fitted with those temperatures
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 SAMPLE_ROWS = 8  # rows of the frozen embedding / LM head compared with the target's, at each of 3 places
 
@@ -221,6 +222,7 @@ def config_from_deepspec(d: dict, target, where: str = "config.json") -> Drafter
                 num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim, intermediate_size=draft.intermediate_size,
                 vocab_size=draft.vocab_size, rms_norm_eps=draft.rms_norm_eps, rope=draft.rope, qk_norm=True,
                 target_layers=layer_ids, calibration=tuple(d.get(CALIBRATION_KEY) or ()),
+                calibration_offsets=tuple(d.get(OFFSETS_KEY) or ()),
                 target_fingerprint=have)
     if arch == "eagle3":
         n = int(d.get("draft_num_hidden_layers", draft.num_layers))
@@ -381,6 +383,8 @@ def config_to_deepspec(cfg: DrafterConfig, target, mask_token_id: int | None, dt
             d["markov_head_type"] = {v: k for k, v in MARKOV_TYPES.items()}[cfg.head]
     if cfg.calibration:
         d[CALIBRATION_KEY] = list(cfg.calibration)
+    if cfg.calibration_offsets:
+        d[OFFSETS_KEY] = list(cfg.calibration_offsets)
     return d
 
 

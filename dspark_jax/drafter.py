@@ -74,25 +74,25 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
         probs = filter_probs(U, temperature, top_k, top_p)
         conf = jnp.ones((B, L), jnp.float32)
         if cfg.confidence:  # a confidence head without the Markov input reads h_k alone (DeepSpec allows it)
-            t = jnp.asarray(cfg.calibration or 1.0, jnp.float32)
-            conf = jax.nn.sigmoid(model.confidence_logit(h, None) / t)
+            t, b = model.calibration()
+            conf = jax.nn.sigmoid(model.confidence_logit(h, None) / t + b)
         return draft_vocab.to_target(sample(keys, probs, greedy), cfg), widen(probs), conf
 
-    temps = jnp.asarray(cfg.calibration, jnp.float32) if cfg.calibration else jnp.ones((L,), jnp.float32)
+    temps, offsets = model.calibration()
 
     def body(carry, inputs):
         prev, state = carry
-        k, h_k, U_k, t_k = inputs
+        k, h_k, U_k, t_k, b_k = inputs
         e = model.markov_embedding(prev)  # [B, R]
         bias, state = model.sequential_bias(e, h_k, state)
         probs = filter_probs(U_k + bias, temperature, top_k, top_p)
         x = draft_vocab.to_target(sample(_step_keys(keys, k), probs, greedy), cfg)  # target ids feed W1
-        conf = jax.nn.sigmoid(model.confidence_logit(h_k, e) / t_k) if cfg.confidence else jnp.ones((B,))
+        conf = jax.nn.sigmoid(model.confidence_logit(h_k, e) / t_k + b_k) if cfg.confidence else jnp.ones((B,))
         return (x, state), (x, probs, conf)
 
     def scan_path():
         state0 = jnp.zeros((B, cfg.markov_rank), model.markov_w1[...].dtype)
-        xs = (jnp.arange(L), h.swapaxes(0, 1), U.swapaxes(0, 1), temps)
+        xs = (jnp.arange(L), h.swapaxes(0, 1), U.swapaxes(0, 1), temps, offsets)
         _, (tok, probs, conf) = jax.lax.scan(body, (anchor, state0), xs)
         return tok.T.astype(jnp.int32), widen(probs.swapaxes(0, 1)), conf.T.astype(jnp.float32)
 
@@ -109,7 +109,7 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
         out = kernels_lib.markov_sample(U, w1, w2, anchor, temperature.astype(jnp.float32), seeds)
         bias = jnp.einsum("BLR,RV->BLV", out.e, w2, preferred_element_type=jnp.float32)
         probs = filter_probs(U + bias, temperature, top_k, top_p)
-        conf = jax.nn.sigmoid(jax.vmap(model.confidence_logit, in_axes=1, out_axes=1)(h, out.e) / temps)
+        conf = jax.nn.sigmoid(jax.vmap(model.confidence_logit, in_axes=1, out_axes=1)(h, out.e) / temps + offsets)
         return out.tokens.astype(jnp.int32), probs, conf.astype(jnp.float32)
 
     filtered = jnp.any((top_k > 0) | (top_p < 1.0))

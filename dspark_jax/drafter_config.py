@@ -59,6 +59,8 @@ class DrafterConfig:
     confidence: bool = True
     # Sequential temperature scaling (§3.2.1), one temperature per block position; () = uncalibrated.
     calibration: tuple[float, ...] = ()
+    # Logit offsets fitted with the temperatures (train/calibrate.py): c_k = σ(z_k / T_k + b_k); () = all 0.
+    calibration_offsets: tuple[float, ...] = ()
     # Reduced draft vocabulary (dspark_jax/draft_vocab.py): the sorted target ids the draft head scores; () = all.
     draft_vocab: tuple[int, ...] = ()
     target_fingerprint: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
@@ -103,6 +105,9 @@ class DrafterConfig:
             raise ValueError("target_layers must name at least one target layer")
         if self.calibration and len(self.calibration) != self.block_size:
             raise ValueError(f"calibration needs {self.block_size} temperatures, got {len(self.calibration)}")
+        if self.calibration_offsets and len(self.calibration_offsets) != len(self.calibration):
+            raise ValueError(f"calibration_offsets need one per temperature ({len(self.calibration)}), got "
+                             f"{len(self.calibration_offsets)}")
         if self.draft_vocab and (list(self.draft_vocab) != sorted(set(self.draft_vocab))
                                  or not 0 <= self.draft_vocab[0] <= self.draft_vocab[-1] < self.vocab_size):
             raise ValueError(f"draft_vocab must hold sorted, distinct target ids in [0, {self.vocab_size}); got "
@@ -132,6 +137,7 @@ class DrafterConfig:
         d = dataclasses.asdict(self)
         d["target_layers"] = list(self.target_layers)
         d["calibration"] = list(self.calibration)
+        d["calibration_offsets"] = list(self.calibration_offsets)
         d["draft_vocab"] = list(self.draft_vocab)
         return d
 
@@ -145,5 +151,6 @@ class DrafterConfig:
         d["rope"] = RopeConfig(**d["rope"]) if isinstance(d.get("rope"), dict) else d.get("rope", RopeConfig())
         d["target_layers"] = tuple(d.get("target_layers", ()))
         d["calibration"] = tuple(d.get("calibration", ()))
+        d["calibration_offsets"] = tuple(float(b) for b in d.get("calibration_offsets", ()))
         d["draft_vocab"] = tuple(int(i) for i in d.get("draft_vocab", ()))
         return cls(**d)

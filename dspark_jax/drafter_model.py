@@ -29,6 +29,16 @@ from dspark_jax.kv_cache import write_kv
 from dspark_jax.layers import Projections, RMSNorm, SwiGLU, apply_rope, attention, rope_inv_freq
 
 
+def calibration(cfg: DrafterConfig):
+    """(temperatures [L], offsets [L]) of the confidence's post-hoc calibration, c_k = σ(z_k / T_k + b_k)
+    (ones and zeros for a raw head): the one place every drafting path reads them from."""
+    L = cfg.block_size
+    t = jnp.asarray(cfg.calibration, jnp.float32) if cfg.calibration else jnp.ones((L,), jnp.float32)
+    b = (jnp.asarray(cfg.calibration_offsets, jnp.float32) if cfg.calibration_offsets
+         else jnp.zeros((L,), jnp.float32))
+    return t, b
+
+
 @struct.dataclass
 class TargetHead:
     """The target's frozen, shared pieces: embedding [V, D] and LM head [D, V]."""
@@ -297,6 +307,9 @@ class DrafterModel(nnx.Module):
             return (h_k @ self.conf_w[...] + self.conf_b[...]).astype(jnp.float32)
         feats = jnp.concatenate([h_k.astype(e.dtype), e], -1)
         return (feats @ self.conf_w[...] + self.conf_b[...]).astype(jnp.float32)
+
+    def calibration(self):
+        return calibration(self.cfg)
 
     # ---- EAGLE-3 autoregressive step -------------------------------------------------------------------------
     def eagle_step(self, head: TargetHead, cache: DrafterCache, token, feature, position, extra):

@@ -25,7 +25,7 @@ from flax import nnx
 
 from dspark_jax import draft_vocab
 from dspark_jax.decoding import pad_prompts, prefill, round_up
-from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead
+from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead, calibration
 from dspark_jax.spec_decode import drafter_prefill
 
 
@@ -129,7 +129,7 @@ def propose(target, drafter, prompt_ids) -> Proposal:
     tok, block_logits, conf_logits = first_block(drafter.graphdef, drafter.params, head, dcache, anchor)
     confidence = None
     if cfg.confidence:
-        temps = jnp.asarray(cfg.calibration, jnp.float32) if cfg.calibration else 1.0
-        confidence = np.asarray(jax.nn.sigmoid(conf_logits[0] / temps), np.float32)
+        temps, offsets = calibration(cfg)
+        confidence = np.asarray(jax.nn.sigmoid(conf_logits[0] / temps + offsets), np.float32)
     return Proposal(anchor=int(anchor[0]), tokens=np.asarray(tok[0], np.int32),
                     logits=np.asarray(block_logits[0], np.float32), confidence=confidence)

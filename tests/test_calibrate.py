@@ -68,6 +68,48 @@ def test_sts_closes_survival_gap_on_held_out(fitted):
     assert report["num_survived"] == [int((m >= k).sum()) for k in range(1, len(T_STAR) + 1)]
 
 
+def shifted_rounds(seed: int, n: int, t_star, b_star) -> tuple[np.ndarray, np.ndarray]:
+    """As synthetic_rounds, with true c_k = σ(z_k / T*_k + b*_k): errors that cross away from c = ½."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(-1.0, 1.0, size=(n, len(t_star)))
+    accepted = rng.random(z.shape) < 1.0 / (1.0 + np.exp(-(z / np.asarray(t_star) + np.asarray(b_star))))
+    return z, np.cumprod(accepted, axis=1).sum(axis=1)
+
+
+def test_offsets_close_a_gap_temperatures_cannot():
+    t_star, b_star = (1.8, 1.5, 1.2), (-0.6, 0.8, -0.4)
+    z, m = shifted_rounds(4, 20_000, t_star, b_star)
+    zt, mt = shifted_rounds(5, 20_000, t_star, b_star)
+    sts_t, sts_b = calibrate.sequential_calibration(z, m, offsets=False)
+    assert sts_b == (0.0,) * 3 and sts_t == calibrate.sequential_temperature_scaling(z, m)
+    t, b = calibrate.sequential_calibration(z, m, offsets=True)
+    np.testing.assert_allclose(t[:2], t_star[:2], rtol=0.2)
+    np.testing.assert_allclose(b[:2], b_star[:2], atol=0.15)
+    sts = calibrate.calibration_report(zt, mt, sts_t)
+    both = calibrate.calibration_report(zt, mt, t, offsets=b)
+    assert sts["mean_gap_after"] > 0.015  # a temperature alone leaves the mean off
+    assert both["mean_gap_after"] <= 0.005 < sts["mean_gap_after"] / 3
+    assert both["ece_pooled_after"] < sts["ece_pooled_after"]
+    np.testing.assert_allclose(both["gap_after"], calibrate.survival_gap(zt, mt, t, b))
+    assert both["auc"] == sts["auc"]  # monotone maps keep the ranking
+
+
+def test_conditional_auc_hand_example():
+    # Position 1 over all 4 rounds: accepted {z=2, 1}, rejected {0, 1} → pairs (2>0, 2>1, 1>0, 1=1 ½) = 3.5 / 4.
+    # Position 2 over the rounds that reached it (m ≥ 1: rows 0, 1): row 0 accepted (z=0.5), row 1 not (z=1.0).
+    z = np.array([[2.0, 0.5], [1.0, 1.0], [0.0, 3.0], [1.0, 3.0]])
+    m = np.array([2, 1, 0, 0])
+    assert calibrate.conditional_auc(z, m) == [3.5 / 4, 0.0]
+    assert calibrate.conditional_auc(z, np.array([2, 2, 2, 2])) == [None, None]
+
+
+def test_positions_with_too_few_survivors_stay_raw():
+    z, m = synthetic_rounds(6, 2_000, (1.6, 2.0, 0.8))
+    m = np.minimum(m, 1)  # nobody survives past position 1
+    t, b = calibrate.sequential_calibration(z, m)
+    assert t[1:] == (1.0, 1.0) and b[1:] == (0.0, 0.0)
+
+
 def test_sts_leaves_calibrated_head_alone():
     z, m = synthetic_rounds(2, 20_000, (1.0,) * 4)
     np.testing.assert_allclose(calibrate.sequential_temperature_scaling(z, m), 1.0, rtol=0.15)

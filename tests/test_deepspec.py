@@ -267,7 +267,7 @@ def test_deepspec_file_through_ours_and_back_is_bit_exact(ds, hf_target, target,
 # ---- ours → DeepSpec → ours ---------------------------------------------------------------------------------------
 # Our own drafters with the DeepSpec-compatible switches (what `save(format="deepspec")` can express).
 OURS = {
-    "dspark": dict(kind="dspark", calibration=(1.5, 1.2, 1.0, 0.9, 0.8)),
+    "dspark": dict(kind="dspark", calibration=(1.5, 1.2, 1.0, 0.9, 0.8), calibration_offsets=(0.1, -0.2, 0.0, 0.3, -0.5)),
     "dspark-gated": dict(kind="dspark", head="gated", confidence_with_markov=False),
     "dspark-rnn": dict(kind="dspark", head="rnn", rnn_bias=True),
     "dflash": dict(kind="dflash", anchor_predicts=True),
@@ -315,7 +315,7 @@ def test_deepspec_reads_our_export(ds, hf_target, target, tmp_path, name):
     cls = ds["Qwen3Eagle3Model"] if name == "eagle3" else ds["Qwen3DSparkModel"]
     _, info = cls.from_pretrained(str(tmp_path), dtype=torch.float32, output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    raw = ours.with_config(calibration=())  # DeepSpec ignores our calibration temperatures (its own key)
+    raw = ours.with_config(calibration=(), calibration_offsets=())  # DeepSpec ignores our calibration (own keys)
     for prompt in PROMPTS:
         _assert_proposals_match(dspark_jax.propose(target, raw, prompt),
                                 deepspec_propose(ds, hf_target, str(tmp_path), prompt))

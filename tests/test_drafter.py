@@ -118,6 +118,13 @@ def test_calibration_temperatures_scale_confidence_logits(target):
     logit = np.log(np.asarray(raw)) - np.log1p(-np.asarray(raw))
     expect = 1 / (1 + np.exp(-logit / np.array([1.0, 2.0, 0.5])))
     np.testing.assert_allclose(np.asarray(scaled), expect, rtol=1e-4, atol=1e-6)
+    # With logit offsets (train/calibrate.py's sequential_calibration): c_k = σ(z_k / T_k + b_k).
+    off = d.with_config(calibration=(1.0, 2.0, 0.5), calibration_offsets=(0.5, -1.0, 0.25))
+    _, _, shifted = draft_block(off.graphdef, off.params, head, dcache, anchor, row_keys(0, B), *_greedy_params(B))
+    expect = 1 / (1 + np.exp(-(logit / np.array([1.0, 2.0, 0.5]) + np.array([0.5, -1.0, 0.25]))))
+    np.testing.assert_allclose(np.asarray(shifted), expect, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="calibration_offsets"):
+        d.with_config(calibration=(), calibration_offsets=(0.5, -1.0, 0.25))
 
 
 def test_config_errors_are_clear(target):

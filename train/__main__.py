@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=128)
     c.add_argument("--report", default=None, help="directory for calibration.json and reliability.png")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--offsets", action=argparse.BooleanOptionalAction, default=True,
+                   help="also fit a logit offset per position beside its temperature (c = σ(z/T + b)); the "
+                        "candidate (raw, STS, STS with offsets) with the smallest held-out survival gap is shipped "
+                        "(default: on)")
+    c.add_argument("--rounds", default=None, metavar="NPZ",
+                   help="refit on the rounds.npz an earlier run wrote to its report directory instead of decoding")
     c.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype to store the calibrated drafter's parameters in (default: %(default)s, as shipped)")
     c.set_defaults(func=_calibrate)

@@ -8,6 +8,13 @@ and fits T_1, T_2, … left to right on held-out rounds: at position k, with T_1
 picks the T_k that minimises the ECE of a_k against the observed survival 1[num_accepted ≥ k].
 Temperature scaling is monotone, so the ranking of draft tokens the head learned is unchanged.
 
+A temperature only stretches logits about z = 0, i.e. about c = ½. A head whose errors cross elsewhere (the
+shipped SmolLM2 drafter's position 1 is under-confident below c ≈ 0.25 and over-confident above it) keeps a
+mean bias no temperature removes. `sequential_calibration(..., offsets=True)` adds one logit offset per
+position, c_k = σ(z_k / T_k + b_k), still fitted left to right: for every candidate T_k the b_k that makes the
+mean predicted a_k equal the observed survival (bisection: the mean is monotone in b_k), then the T_k whose
+pair has the least ECE. An affine map of the logit with a positive slope is monotone too, so rankings are kept.
+
 Shapes: N verification rounds, L draft block; conf_logits float [N, L], num_accepted int [N] in 0..L.
 The rounds must come from full-block verification (every draft token verified): a round whose verification
 was cut at ℓ < L says nothing about survival past ℓ and would bias the labels downwards.
@@ -20,6 +27,8 @@ import numpy as np
 DEFAULT_BINS = 15
 # Geometric grid for T_k: 2% steps from 0.05 (sharpen 20×) to 20 (flatten 20×).
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 301)
+OFFSET_BOUND = 20.0  # |b_k| ≤ this: beyond it σ saturates in float32
+MIN_SURVIVORS = 20  # a position whose fit split has fewer surviving rounds keeps T_k = 1, b_k = 0 (too few to fit)
 # Cap on grid × rounds elements evaluated at once by the vectorised grid search (~32 MB of float64).
 _CHUNK_ELEMENTS = 4_000_000
 
@@ -69,19 +78,29 @@ def survival_labels(num_accepted, block_size: int) -> np.ndarray:
     return (m[:, None] >= k[None, :]).astype(np.float64)
 
 
-def predicted_survival(conf_logits, temperatures=None) -> np.ndarray:
-    """Predicted prefix survival a_k = ∏_{j≤k} σ(z_j / T_j).
+def _offsets(offsets, block_size: int) -> np.ndarray:
+    if offsets is None or len(offsets) == 0:
+        return np.zeros(block_size)
+    b = np.asarray(offsets, dtype=np.float64)
+    if b.shape != (block_size,) or not np.all(np.isfinite(b)):
+        raise ValueError(f"offsets must be [L={block_size}] and finite, got {b.shape=} {b=}")
+    return b
+
+
+def predicted_survival(conf_logits, temperatures=None, offsets=None) -> np.ndarray:
+    """Predicted prefix survival a_k = ∏_{j≤k} σ(z_j / T_j + b_j).
 
     Args:
       conf_logits: float [N, L], confidence-head logits z.
       temperatures: positive float [L], or None for T = 1 (the raw head).
+      offsets: float [L] logit offsets b, or None / () for 0.
 
     Returns:
       float64 [N, L], non-increasing along L.
     """
     z, _ = _check(conf_logits)
-    t = _temperatures(temperatures, z.shape[1])
-    return np.cumprod(_sigmoid(z / t), axis=-1)
+    t, b = _temperatures(temperatures, z.shape[1]), _offsets(offsets, z.shape[1])
+    return np.cumprod(_sigmoid(z / t + b), axis=-1)
 
 
 def _bin_index(pred: np.ndarray, bins: int) -> np.ndarray:
@@ -119,19 +138,41 @@ def _ece_over_grid(pred: np.ndarray, obs: np.ndarray, bins: int) -> np.ndarray:
 
 def sequential_temperature_scaling(conf_logits, num_accepted, grid=None,
                                    bins: int = DEFAULT_BINS) -> tuple[float, ...]:
-    """Fit per-position temperatures left to right by ECE grid search (paper §3.2.1, STS).
+    """The paper's STS: per-position temperatures alone (`sequential_calibration` without offsets)."""
+    return sequential_calibration(conf_logits, num_accepted, grid, bins, offsets=False)[0]
+
+
+def _matching_offsets(prefix: np.ndarray, scaled: np.ndarray, target: float, iters: int = 50) -> np.ndarray:
+    """For each row g of scaled [G, N] (logits z / T_g), the b_g with mean(prefix · σ(scaled_g + b_g)) = target,
+    by bisection on [−OFFSET_BOUND, OFFSET_BOUND] (clamped there when the target is out of reach)."""
+    lo = np.full(scaled.shape[0], -OFFSET_BOUND)
+    hi = np.full(scaled.shape[0], OFFSET_BOUND)
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        above = (prefix[None, :] * _sigmoid(scaled + mid[:, None])).mean(axis=1) > target
+        hi, lo = np.where(above, mid, hi), np.where(above, lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def sequential_calibration(conf_logits, num_accepted, grid=None, bins: int = DEFAULT_BINS,
+                           offsets: bool = True) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Fit per-position temperatures (and, with `offsets`, logit offsets) left to right (paper §3.2.1, STS).
 
     At position k the survival before it, a_{k−1} (already calibrated with the fitted T_1..T_{k−1}), is fixed,
-    and T_k = argmin_{T ∈ grid} ECE(a_{k−1} · σ(z_k / T), 1[num_accepted ≥ k]); ties go to the smallest T.
+    and T_k = argmin_{T ∈ grid} ECE(a_{k−1} · σ(z_k / T + b_k(T)), 1[num_accepted ≥ k]); ties go to the
+    smallest T. b_k(T) = 0 without offsets; with them, the offset that matches the mean of a_k to the observed
+    survival at that T (module docstring). A position with fewer than MIN_SURVIVORS surviving rounds keeps
+    T_k = 1, b_k = 0: a handful of labels would fit noise.
 
     Args:
       conf_logits: float [N, L], held-out confidence-head logits.
       num_accepted: int [N] in 0..L, accepted draft tokens of the same rounds (full-block verification).
       grid: positive float [G] candidate temperatures; default a 301-point geometric grid over [0.05, 20].
       bins: ECE bins.
+      offsets: fit b_k too (else every b_k = 0, the paper's STS).
 
     Returns:
-      Tuple of L floats, T_1..T_L.
+      (T_1..T_L, b_1..b_L), two tuples of L floats.
     """
     z, m = _check(conf_logits, num_accepted)
     g = DEFAULT_GRID if grid is None else np.asarray(grid, dtype=np.float64).ravel()
@@ -141,60 +182,94 @@ def sequential_temperature_scaling(conf_logits, num_accepted, grid=None,
     obs = survival_labels(m, block)
     prefix = np.ones(n)  # a_{k−1}, calibrated
     chunk = max(1, _CHUNK_ELEMENTS // n)
-    temps = []
+    temps, offs = [], []
     for k in range(block):
-        errors = np.concatenate([
-            _ece_over_grid(prefix[None, :] * _sigmoid(z[None, :, k] / g[i:i + chunk, None]), obs[:, k], bins)
-            for i in range(0, g.size, chunk)
-        ])
-        t_k = float(g[int(np.argmin(errors))])
+        if obs[:, k].sum() < MIN_SURVIVORS:
+            temps.append(1.0)
+            offs.append(0.0)
+            prefix = prefix * _sigmoid(z[:, k])
+            continue
+        errors, shifts = [], []
+        for i in range(0, g.size, chunk):
+            scaled = z[None, :, k] / g[i:i + chunk, None]
+            b = (_matching_offsets(prefix, scaled, obs[:, k].mean()) if offsets
+                 else np.zeros(scaled.shape[0]))
+            errors.append(_ece_over_grid(prefix[None, :] * _sigmoid(scaled + b[:, None]), obs[:, k], bins))
+            shifts.append(b)
+        best = int(np.argmin(np.concatenate(errors)))
+        t_k, b_k = float(g[best]), float(np.concatenate(shifts)[best])
         temps.append(t_k)
-        prefix = prefix * _sigmoid(z[:, k] / t_k)
-    return tuple(temps)
+        offs.append(b_k)
+        prefix = prefix * _sigmoid(z[:, k] / t_k + b_k)
+    return tuple(temps), tuple(offs)
 
 
-def survival_gap(conf_logits, num_accepted, temperatures=None) -> np.ndarray:
+def survival_gap(conf_logits, num_accepted, temperatures=None, offsets=None) -> np.ndarray:
     """Per-position |mean predicted a_k − mean observed survival_k|.
 
     Args:
       conf_logits: float [N, L].
       num_accepted: int [N] in 0..L.
       temperatures: float [L] or None (raw).
+      offsets: float [L] or None (none).
 
     Returns:
       float64 [L].
     """
     z, m = _check(conf_logits, num_accepted)
-    pred = predicted_survival(z, temperatures)
+    pred = predicted_survival(z, temperatures, offsets)
     return np.abs(pred.mean(axis=0) - survival_labels(m, z.shape[1]).mean(axis=0))
 
 
-def calibration_report(conf_logits, num_accepted, temperatures, bins: int = DEFAULT_BINS) -> dict:
-    """Calibration of a_k before (T = 1) and after (the given temperatures), JSON-serialisable.
+def conditional_auc(conf_logits, num_accepted) -> list[float | None]:
+    """Per position k, the ROC-AUC of z_k for "x_k accepted" among the rounds that reached k (num_accepted ≥
+    k − 1): how well the head ranks the drafts it is asked about. Monotone maps of z_k (any calibration) leave
+    it unchanged. None where the rounds that reached k are all accepted or all rejected."""
+    from scipy.stats import rankdata
 
-    The issue's acceptance criterion is `mean_gap_after` ≤ 0.02 on held-out rounds.
+    z, m = _check(conf_logits, num_accepted)
+    out = []
+    for k in range(1, z.shape[1] + 1):
+        reached = m >= k - 1
+        pos = (m[reached] >= k)
+        n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+        if not n_pos or not n_neg:
+            out.append(None)
+            continue
+        ranks = rankdata(z[reached, k - 1])  # ties get their mean rank (Mann–Whitney)
+        out.append(float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)))
+    return out
+
+
+def calibration_report(conf_logits, num_accepted, temperatures, bins: int = DEFAULT_BINS, offsets=None) -> dict:
+    """Calibration of a_k before (raw) and after (the given temperatures and offsets), JSON-serialisable.
+
+    The issue's acceptance criterion is `mean_gap_after` ≤ 0.01 on held-out rounds.
 
     Args:
       conf_logits: float [N, L].
       num_accepted: int [N] in 0..L.
-      temperatures: float [L], e.g. from `sequential_temperature_scaling` on a different split.
+      temperatures: float [L], e.g. from `sequential_calibration` on a different split.
       bins: ECE bins.
+      offsets: float [L] logit offsets, or None.
 
     Returns:
-      dict with temperatures; ece_before / ece_after [L] per position and the pooled ece_pooled_before/after;
+      dict with temperatures and offsets; auc [L] (`conditional_auc`, the same before and after);
+      ece_before / ece_after [L] per position and the pooled ece_pooled_before/after;
       gap_before / gap_after [L] and their means mean_gap_before / mean_gap_after; mean predicted survival
       pred_survival_before / after [L] and observed obs_survival [L]; num_rounds N and num_survived [L]
       (rounds that accepted at least k draft tokens).
     """
     z, m = _check(conf_logits, num_accepted)
     block = z.shape[1]
-    t = _temperatures(temperatures, block)
+    t, b = _temperatures(temperatures, block), _offsets(offsets, block)
     obs = survival_labels(m, block)
-    report: dict = {"temperatures": [float(x) for x in t], "num_rounds": int(z.shape[0]),
+    report: dict = {"temperatures": [float(x) for x in t], "offsets": [float(x) for x in b],
+                    "auc": conditional_auc(z, m), "num_rounds": int(z.shape[0]),
                     "num_survived": [int(x) for x in obs.sum(axis=0)],
                     "obs_survival": [float(x) for x in obs.mean(axis=0)]}
-    for name, temps in (("before", None), ("after", t)):
-        pred = predicted_survival(z, temps)
+    for name, temps, offs in (("before", None, None), ("after", t, b)):
+        pred = predicted_survival(z, temps, offs)
         gap = np.abs(pred.mean(axis=0) - obs.mean(axis=0))
         report[f"ece_{name}"] = [ece(pred[:, k], obs[:, k], bins) for k in range(block)]
         report[f"ece_pooled_{name}"] = ece(pred, obs, bins)
@@ -215,7 +290,7 @@ def _reliability_curve(pred: np.ndarray, obs: np.ndarray, bins: int):
 
 
 def reliability_diagram(conf_logits, num_accepted, temperatures, path, title: str = "Prefix survival calibration",
-                        bins: int = DEFAULT_BINS):
+                        bins: int = DEFAULT_BINS, offsets=None):
     """Write a PNG: a reliability curve of a_k pooled over positions, and mean a_k per position, before/after.
 
     Left panel: binned mean predicted vs observed survival over all (round, position) pairs, raw (T = 1) and
@@ -227,6 +302,7 @@ def reliability_diagram(conf_logits, num_accepted, temperatures, path, title: st
       num_accepted: int [N] in 0..L.
       temperatures: float [L].
       path: output PNG path.
+      offsets: float [L] logit offsets, or None.
       title: figure title.
       bins: reliability bins.
 
@@ -241,7 +317,7 @@ def reliability_diagram(conf_logits, num_accepted, temperatures, path, title: st
     z, m = _check(conf_logits, num_accepted)
     block = z.shape[1]
     obs = survival_labels(m, block)
-    before, after = predicted_survival(z, None), predicted_survival(z, temperatures)
+    before, after = predicted_survival(z, None), predicted_survival(z, temperatures, offsets)
     positions = np.arange(1, block + 1)
 
     fig, (ax_rel, ax_pos) = plt.subplots(1, 2, figsize=(11, 4.5))

@@ -121,39 +121,59 @@ def calibrate_cli(args) -> None:
     from tqdm.auto import tqdm
 
     from dspark_jax.target import load_target
-    from train.calibrate import calibration_report, reliability_diagram, sequential_temperature_scaling
+    from train.calibrate import calibration_report, reliability_diagram, sequential_calibration
 
     target = load_target(args.target)
     drafter = _load(target, args.drafter)
     if not drafter.config.confidence:
         raise ValueError(f"a {drafter.config.kind} drafter has no confidence head to calibrate")
-    raw = drafter.with_config(calibration=())
+    raw = drafter.with_config(calibration=(), calibration_offsets=())
     fit_p, test_p = [], []
     for d in datasets.DOMAINS:
         ps = datasets.load_prompts("eval", d, 2 * args.prompts, seed=args.seed + 1)
         fit_p += ps[0::2]
         test_p += ps[1::2]
-    bar = tqdm(total=len(fit_p) + len(test_p), desc="calibration rounds", unit="prompt")
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=1.0, batch_size=8, seed=args.seed, progress=bar)
-    _, z_fit, m_fit = run_rounds(target, raw, fit_p, **kw)
-    _, z_test, m_test = run_rounds(target, raw, test_p, **kw)
-    bar.close()
-    temps = sequential_temperature_scaling(z_fit, m_fit)
-    report = {"fit": calibration_report(z_fit, m_fit, temps), "held_out": calibration_report(z_test, m_test, temps),
-              "temperatures": list(temps), "prompts": {"fit": len(fit_p), "held_out": len(test_p)}}
+    if args.rounds:  # rounds saved by an earlier run (its rounds.npz): refit without decoding again
+        with np.load(args.rounds) as f:
+            z_fit, m_fit, z_test, m_test = f["z_fit"], f["m_fit"], f["z_test"], f["m_test"]
+    else:
+        bar = tqdm(total=len(fit_p) + len(test_p), desc="calibration rounds", unit="prompt")
+        kw = dict(max_new_tokens=args.max_new_tokens, temperature=1.0, batch_size=8, seed=args.seed, progress=bar)
+        _, z_fit, m_fit = run_rounds(target, raw, fit_p, **kw)
+        _, z_test, m_test = run_rounds(target, raw, test_p, **kw)
+        bar.close()
+    L = raw.config.block_size
+    # Candidates fitted on the fit split: the raw head, the paper's STS, STS with logit offsets (`--offsets`).
+    fits = {"raw": ((1.0,) * L, (0.0,) * L), "sts": sequential_calibration(z_fit, m_fit, offsets=False)}
+    if args.offsets:
+        fits["sts_offsets"] = sequential_calibration(z_fit, m_fit, offsets=True)
+    methods = {name: {"fit": calibration_report(z_fit, m_fit, t, offsets=b),
+                      "held_out": calibration_report(z_test, m_test, t, offsets=b)} for name, (t, b) in fits.items()}
+    # Shipped: the candidate with the smallest held-out mean survival gap (the raw head where no fit beats it).
+    chosen = min(methods, key=lambda k: methods[k]["held_out"]["mean_gap_after"])
+    temps, offsets = fits[chosen]
+    report = {**methods[chosen], "method": chosen, "temperatures": list(temps), "offsets": list(offsets),
+              "methods": methods, "prompts": {"fit": len(fit_p), "held_out": len(test_p)}}
     from dspark_jax.drafter import resolve_drafter
 
     drafter_dir = resolve_drafter(args.drafter)
     out = args.out or drafter_dir
-    calibrated = drafter.with_config(calibration=tuple(float(t) for t in temps))
+    raw_head = chosen == "raw"
+    calibrated = drafter.with_config(calibration=() if raw_head else tuple(float(t) for t in temps),
+                                     calibration_offsets=() if raw_head or not any(offsets)
+                                     else tuple(float(b) for b in offsets))
     calibrated.save(out, dtype=args.dtype)
     rep_dir = args.report or out
     os.makedirs(rep_dir, exist_ok=True)
+    np.savez(os.path.join(rep_dir, "rounds.npz"), z_fit=z_fit, m_fit=m_fit, z_test=z_test, m_test=m_test)
     with open(os.path.join(rep_dir, "calibration.json"), "w") as f:
         json.dump(report, f, indent=2)
-    reliability_diagram(z_test, m_test, temps, os.path.join(rep_dir, "reliability.png"),
-                        title=f"Prefix survival calibration (held out, {len(m_test)} rounds)")
-    h = report["held_out"]
-    print(f"temperatures: {[round(t, 3) for t in temps]}")
-    print(f"held-out mean |predicted − observed| survival: {h['mean_gap_before']:.4f} → {h['mean_gap_after']:.4f}; "
-          f"pooled ECE {h['ece_pooled_before']:.4f} → {h['ece_pooled_after']:.4f}")
+    reliability_diagram(z_test, m_test, temps, os.path.join(rep_dir, "reliability.png"), offsets=offsets,
+                        title=f"Prefix survival calibration, {chosen} (held out, {len(m_test)} rounds)")
+    for name, r in methods.items():
+        h = r["held_out"]
+        print(f"{name:>12}: held-out mean |predicted − observed| survival {h['mean_gap_before']:.4f} → "
+              f"{h['mean_gap_after']:.4f}; pooled ECE {h['ece_pooled_before']:.4f} → {h['ece_pooled_after']:.4f}")
+    print(f"shipped: {chosen}; temperatures {[round(t, 3) for t in temps]}, offsets {[round(b, 3) for b in offsets]}")
+    print(f"held-out AUC per position (rounds that reached it): "
+          f"{[None if a is None else round(a, 3) for a in report['held_out']['auc']]}")
