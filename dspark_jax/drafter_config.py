@@ -107,7 +107,8 @@ class DrafterConfig:
             raise ValueError(f"calibration needs {self.block_size} temperatures, got {len(self.calibration)}")
         if self.calibration_offsets and len(self.calibration_offsets) != len(self.calibration):
             raise ValueError(f"calibration_offsets need one per temperature ({len(self.calibration)}), got "
-                             f"{len(self.calibration_offsets)}")
+                             f"{len(self.calibration_offsets)} (clearing the calibration clears both: "
+                             "calibration=(), calibration_offsets=())")
         if self.draft_vocab and (list(self.draft_vocab) != sorted(set(self.draft_vocab))
                                  or not 0 <= self.draft_vocab[0] <= self.draft_vocab[-1] < self.vocab_size):
             raise ValueError(f"draft_vocab must hold sorted, distinct target ids in [0, {self.vocab_size}); got "

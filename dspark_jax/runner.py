@@ -162,6 +162,24 @@ def _logprob_outputs(logits, tokens, want):
     return jax.lax.cond(want, compute, skip)
 
 
+class Static:
+    """A graphdef as a jit static argument, hashed once. jit hashes its static arguments on every call to find
+    the compiled program, and an nnx GraphDef's hash walks the whole module graph: ~5 ms of Python per call for
+    the 30-layer SmolLM2 target, on every step. Equal when the graphdefs are (the same object, in practice)."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Static) and (self.value is other.value
+                                               or (self._hash == other._hash and self.value == other.value))
+
+
 def _model_key(tg, dg) -> tuple:
     return hash(tg), hash(dg)
 
@@ -179,7 +197,7 @@ def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row
     target K/V and the drafter's context written to its pages; returns the token sampled after the chunk's
     last real position (round 0 of the request's key) and its logprobs."""
     TRACES[_model_key(tg, dg), _pool_key(tkv, table_row), "prefill", tokens.shape[0]] += 1
-    target = nnx.merge(tg, tparams)
+    target = nnx.merge(tg.value, tparams)
     C = tokens.shape[0]
     pos = start + jnp.arange(C, dtype=jnp.int32)
     valid = jnp.arange(C) < n_real
@@ -188,7 +206,7 @@ def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row
     h, tkv, feats = target_forward_flat(target, tkv, tokens, slot, pos, valid, table_row, (start + n_real)[None],
                                         qs, max_q_len=C, hidden_layers=hidden_layers, kernels=kernels)
     if dg is not None:
-        dkv = drafter_write_flat(nnx.merge(dg, dparams), dkv, feats, slot, pos, valid, table_row)
+        dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, table_row)
     logits = target.head(h[jnp.maximum(n_real - 1, 0)])[None]  # [1, V]
     keys = round_keys(key[None], jnp.zeros((1,), jnp.int32), VERIFY)
     tok = sample(keys, filter_probs(logits, temp[None], top_k[None], top_p[None]), temp <= 0.0)
@@ -204,7 +222,7 @@ def draft_program(tparams, dparams, dhead, dkv, block_tables, lengths, anchors, 
     sampled verification reads it. Padding rows have no context and are ignored downstream. `dhead`: the
     reduced draft vocabulary's head columns [D, Vd] (ModelRunner gathers them once), or None."""
     TRACES[(None, hash(dg)), _pool_key(dkv, block_tables), "draft", anchors.shape[0]] += 1
-    model = nnx.merge(dg, dparams)
+    model = nnx.merge(dg.value, dparams)
     head = TargetHead.from_params(tparams, tied, draft_lm_head=dhead)
     h = drafter_block_hidden_paged(model, head, dkv, block_tables, lengths, anchors)
     return draft_from_hidden(model, head, h, anchors, round_keys(keys, rounds, DRAFT), temp, top_k, top_p,
@@ -245,7 +263,7 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
     block = jnp.concatenate([anchors[:, None], draft], 1) if L else anchors[:, None]  # [Bb, L+1]
     tokens = jnp.where(valid, block[slot, jnp.clip(j, 0, L)], 0)
     pos = n[slot] + j
-    target = nnx.merge(tg, tparams)
+    target = nnx.merge(tg.value, tparams)
     h, tkv, feats = target_forward_flat(target, tkv, tokens, slot, pos, valid, tables, n + q_len, query_start,
                                         max_q_len=1 if mode == "plain" else L + 1, hidden_layers=hidden_layers,
                                         kernels=kernels)
@@ -271,9 +289,9 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
             greedy,
             lambda: greedy_verify(jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows], draft, lengths),
             lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, tk, tp), draft,
-                           draft_vocab.to_vocab(q, nnx.merge(dg, dparams).cfg), lengths))
+                           draft_vocab.to_vocab(q, nnx.merge(dg.value, dparams).cfg), lengths))
     if dg is not None:
-        dkv = drafter_write_flat(nnx.merge(dg, dparams), dkv, feats, slot, pos, valid, tables)
+        dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, tables)
     lp = _logprob_outputs(flat_logits[rows], res.emitted_tokens, jnp.any(batch["logprobs"] & active))
     return tkv, dkv, res.emitted_tokens, res.num_emitted, res.num_accepted, lengths, lp
 
@@ -336,7 +354,7 @@ class ModelRunner:
             lm_head = TargetHead.from_params(self.tparams, target.config.tie_word_embeddings).lm_head
             self.dhead = draft_vocab.subset_head(lm_head, drafter.config)
         self._placeholders: dict = {}  # batch bucket → placeholder drafts of a plain step
-        self._static = dict(tg=target.graphdef, dg=drafter.graphdef if drafter is not None else None,
+        self._static = dict(tg=Static(target.graphdef), dg=Static(drafter.graphdef) if drafter is not None else None,
                             hidden_layers=drafter.config.target_layers if drafter is not None else (),
                             kernels=kernels)
 

@@ -172,6 +172,35 @@ def capacity_search(a: jax.Array, sps: jax.Array, active: jax.Array | None = Non
     return jnp.argmax(theta).astype(jnp.int32)
 
 
+def capacity_search_host(a, sps, active=None) -> int:
+    """`capacity_search` in numpy, for the engine's host: the same admission path and Θ, the same K
+    (tests/test_scheduling.py holds the two equal). The host computes K while the device runs the previous
+    pass (§5.2); a jitted search would queue behind that pass on the same device and stall the host.
+
+    Args:
+      a: f32 [B, L] stale survival.
+      sps: f32 [Nmax+1].
+      active: optional bool [B].
+
+    Returns:
+      K: int.
+    """
+    a = np.minimum.accumulate(np.asarray(a, np.float32), axis=1)
+    if a.ndim != 2:
+        raise ValueError(f"survival must be [B, L], got {a.shape=}")
+    active = np.ones(a.shape[0], bool) if active is None else np.asarray(active, bool)
+    sps = np.asarray(sps, np.float32)
+    valid = (active[:, None] & (a > 0)).reshape(-1)
+    flat = a.reshape(-1)
+    sorted_a = np.sort(flat[valid])[::-1]  # the valid candidates in path order (their values are all Θ needs)
+    R = int(active.sum())
+    tokens = R + np.arange(sorted_a.size + 1)
+    max_tokens = sps.shape[0] - 1
+    steps = np.where(tokens <= max_tokens, sps[np.minimum(tokens, max_tokens)], np.float32(0.0))
+    tau = np.float32(R) + np.concatenate([np.zeros(1, np.float32), np.cumsum(sorted_a, dtype=np.float32)])
+    return int(np.argmax(tau * steps))
+
+
 def topk_fill(a: jax.Array, k, active: jax.Array | None = None) -> jax.Array:
     """Fill K verification slots with the highest-survival draft tokens (prefix-consistent).
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import draft_vocab
 from dspark_jax.decoding import (
     GenerateResult,
     StopTracker,
@@ -46,13 +47,15 @@ from dspark_jax.verification import acceptance_counts, greedy_verify, verify
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "dcfg", "policy", "tied", "kernels"),
                    donate_argnames=("tcache", "dcache"))
 def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rnd, temperature, top_k, top_p, *,
-              dcfg, policy: Policy, tied: bool, kernels: str = "auto"):
+              dcfg, policy: Policy, tied: bool, kernels: str = "auto", dhead=None):
     """One speculative round for a batch. Returns (tcache, dcache, next anchor [B], emitted [B, L+1]
-    (padded with −1), num_emitted [B], verification lengths [B], num_accepted [B], confidence [B, L])."""
+    (padded with −1), num_emitted [B], verification lengths [B], num_accepted [B], confidence [B, L]).
+    `dhead`: a reduced draft vocabulary's head columns [D, Vd] (`draft_vocab.subset_head`, gathered once by the
+    caller rather than in every round), or None."""
     L = dcfg.block_size
     target = nnx.merge(tgraph, tparams)
     drafter: DrafterModel = nnx.merge(dgraph, dparams)
-    head = TargetHead.from_params(tparams, tied)
+    head = TargetHead.from_params(tparams, tied, draft_lm_head=dhead)
     round_keys = step_keys(keys, rnd)
     draft_keys, verify_keys = step_keys(round_keys, 0), step_keys(round_keys, 1)
 
@@ -113,6 +116,8 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
     tcache, dcache = target.init_cache(B, capacity), drafter.init_cache(B, capacity)
     keys = row_keys(seed, B)
     tied = target.config.tie_word_embeddings
+    dhead = (draft_vocab.subset_head(TargetHead.from_params(target.params, tied).lm_head, dcfg)
+             if draft_vocab.is_reduced(dcfg) else None)  # gathered once, not in every round
     track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
     attempts, accepts = np.zeros(L, np.int64), np.zeros(L, np.int64)
     emitted_total = row_rounds = 0
@@ -136,7 +141,7 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
         live = ~track.done
         tcache, dcache, anchor, emitted, num_emitted, lengths, m, conf = spec_step(
             target.graphdef, target.params, drafter.graphdef, drafter.params, tcache, dcache, anchor, keys, rnd,
-            temp, tk, tp, dcfg=dcfg, policy=policy, tied=tied, kernels=kernels)
+            temp, tk, tp, dcfg=dcfg, policy=policy, tied=tied, kernels=kernels, dhead=dhead)
         emitted, num_emitted = np.asarray(emitted), np.asarray(num_emitted)
         lengths, m = np.asarray(lengths), np.asarray(m)
         if on_round is not None:

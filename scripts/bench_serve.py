@@ -5,7 +5,9 @@ For each scheduler one engine is built with the server's default sizes (`--max-b
 the target; every step shape compiled and the SPS table profiled at start-up, as `python -m dspark_jax.serve`
 does); then for each concurrency c a closed loop over max(c, --min-requests) requests with mixed real prompts
 (MT-Bench, HumanEval, held-out math; chat-templated): c in flight, the next submitted as one finishes (beyond
-max batch they queue, as on the server). One engine serves the levels in order, as a server would. Printed per
+max batch they queue, as on the server). Every engine is built first; at each level the schedulers then take
+turns (`--rounds` times, the order rotated each round), so a machine whose speed drifts over the run slows them
+alike: a cell is the median round, and the ratio to `none` pairs runs of the same round. Printed per
 cell: total tokens/s (all generated tokens / wall time of the level), per-user tokens/s (mean over requests of
 generated tokens / its own latency), τ (tokens per request-step), mean verification tokens per pass and the
 share of plain steps (no draft pass).
@@ -156,6 +158,14 @@ def phase_times(engine, prompts, rows: int, repeats: int = 5) -> dict:
     return med
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median total tokens/s (the lower middle for an even count), with every run's figure."""
+    ordered = sorted(runs, key=lambda r: r["total_tps"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    out["total_tps_runs"] = [r["total_tps"] for r in runs]
+    return out
+
+
 def jax_block(x):
     import jax
 
@@ -175,6 +185,10 @@ def main(argv=None) -> int:
                    help="requests served per concurrency level at least (closed loop: c in flight, max(c, this) "
                         "in all)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every (scheduler, concurrency) cell; the schedulers take turns at each level, so "
+                        "machine drift hits them alike; cells report the median run and ratios pair runs of the same "
+                        "round (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the server's (from the target)")
     p.add_argument("--out", default="reports/serve", help="directory for bench_serve.json and throughput.png")
     p.add_argument("--seed", type=int, default=0)
@@ -192,7 +206,7 @@ def main(argv=None) -> int:
     refs = reference_lines(target, drafter, prompts[: args.reference_prompts], args.max_tokens, args.target)
     for k, v in refs.items():
         print(f"[reference] {k}: {v:.2f} tok/s (batch 1)", flush=True)
-    results, sps_tables, runners, phases = {}, {}, {}, {}
+    sps_tables, runners, phases, engines = {}, {}, {}, {}
     for sched in args.schedulers:
         t0 = time.perf_counter()
         kind = "plain" if sched == "none" else "spec"  # speculative schedulers share one compiled runner
@@ -213,14 +227,29 @@ def main(argv=None) -> int:
             print(f"[{sched}] phase ms: {phases[sched]}", flush=True)
             engine = create_engine(runner=core.runner, scheduler=sched, max_model_len=args.max_model_len,
                                    progress=False)
-        results[sched] = {}
-        for c in args.concurrency:
-            r = run_load(engine, prompts[: max(c, args.min_requests)], c, args.max_tokens, args.temperature)
-            results[sched][c] = r
-            print(f"[{sched}] c={c:3d}  {r['requests']:3d} requests  total {r['total_tps']:7.2f} tok/s  per-user "
-                  f"{r['per_user_tps']:6.2f} tok/s  τ {r['tau']:.2f}  verify/pass {r['verify_tokens_per_pass']:.1f}"
-                  f"  plain steps {100 * r['plain_step_share']:.0f}%", flush=True)
+        engines[sched] = engine
+    # The schedulers take turns at each level (order rotated every round), so a machine that drifts slows them
+    # alike; a cell is the median round, and ratios are taken between runs of the same round.
+    runs = {s: {c: [] for c in args.concurrency} for s in args.schedulers}
+    for i, c in enumerate(args.concurrency):
+        for rnd in range(args.rounds):
+            k = (i + rnd) % len(args.schedulers)
+            for sched in args.schedulers[k:] + args.schedulers[:k]:
+                r = run_load(engines[sched], prompts[: max(c, args.min_requests)], c, args.max_tokens,
+                             args.temperature)
+                runs[sched][c].append(r)
+                print(f"[{sched}] c={c:3d} round {rnd + 1}/{args.rounds}  {r['requests']:3d} requests  total "
+                      f"{r['total_tps']:7.2f} tok/s  per-user {r['per_user_tps']:6.2f} tok/s  τ {r['tau']:.2f}  "
+                      f"verify/pass {r['verify_tokens_per_pass']:.1f}  plain steps {100 * r['plain_step_share']:.0f}%",
+                      flush=True)
+    for engine in engines.values():
         engine.stop()
+    results = {s: {c: median_run(runs[s][c]) for c in args.concurrency} for s in args.schedulers}
+    if "none" in args.schedulers:
+        for s in args.schedulers:
+            for c in args.concurrency:
+                pairs = zip(runs[s][c], runs["none"][c], strict=True)
+                results[s][c]["vs_none_paired"] = float(np.median([a["total_tps"] / b["total_tps"] for a, b in pairs]))
     os.makedirs(args.out, exist_ok=True)
     print("\ntotal tokens/s (ratio to the best fixed:N at the same concurrency)")
     print("c    " + "".join(f"{s:>14}" for s in args.schedulers))
@@ -230,6 +259,11 @@ def main(argv=None) -> int:
         cells = "".join(f"{results[s][c]['total_tps']:8.1f} ({results[s][c]['total_tps'] / best:4.2f})"
                         for s in args.schedulers)
         print(f"{c:<5}{cells}")
+    if "none" in args.schedulers:
+        print("\ntotal tokens/s against none, median over rounds of the same round's ratio")
+        print("c    " + "".join(f"{s:>14}" for s in args.schedulers))
+        for c in args.concurrency:
+            print(f"{c:<5}" + "".join(f"{results[s][c]['vs_none_paired']:14.2f}" for s in args.schedulers))
     with open(os.path.join(args.out, "bench_serve.json"), "w") as f:
         json.dump({"args": vars(args), "results": results, "sps_tables": sps_tables, "references": refs,
                    "phase_ms": phases, "load_average_end": os.getloadavg()[0]}, f, indent=2)

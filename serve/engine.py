@@ -31,8 +31,7 @@ import numpy as np
 from dspark_jax.keys import request_key_data
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
-from serve.scheduler import (SchedulerSpec, SpsTable, dspark_capacity, host_lengths, pick_bucket,
-                             warm_scheduler)
+from serve.scheduler import SchedulerSpec, SpsTable, dspark_capacity, host_lengths, pick_bucket, warm_scheduler
 from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, TokenLogprob
 
 log = logging.getLogger("dspark_jax.serve")

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from dspark_jax.policy import Policy
-from dspark_jax.scheduling import bucket_sps, capacity_search, prefix_schedule, survival, threshold_lengths
+from dspark_jax.scheduling import bucket_sps, capacity_search_host, prefix_schedule, survival, threshold_lengths
 
 SchedulerSpec = Policy  # the one parser and meaning of policy strings (dspark_jax/policy.py)
 
@@ -42,7 +42,6 @@ def token_sps_table(sps_at_buckets, buckets) -> np.ndarray:
 # Jitted once per shape: eager jnp here would cost dozens of small dispatches on every engine step.
 _threshold = jax.jit(lambda conf, x, active: threshold_lengths(survival(conf), x, active))
 _prefix = jax.jit(lambda conf, sps, active: prefix_schedule(survival(conf), sps, active))
-_capacity = jax.jit(lambda conf, sps, active: capacity_search(survival(conf), sps, active))
 
 
 def host_lengths(spec: SchedulerSpec, conf: np.ndarray | None, active: np.ndarray, block_size: int,
@@ -62,9 +61,11 @@ def dspark_capacity(stale_conf: np.ndarray | None, active: np.ndarray, block_siz
                     sps_table: np.ndarray) -> int:
     """K (total draft tokens of the next pass) from stale confidences [B, L] by the global search over SPS.
     Without history yet (the first steps) the survival is taken as 1 for every draft token; slots whose
-    stale row belonged to another request are treated the same way."""
+    stale row belonged to another request are treated the same way. Computed on the host (numpy), so it
+    never waits behind the pass in flight on the device."""
     conf = np.ones((active.shape[0], block_size), np.float32) if stale_conf is None else stale_conf
-    return int(_capacity(conf, sps_table, active))
+    a = np.minimum.accumulate(np.cumprod(np.asarray(conf, np.float32), axis=-1), axis=-1)  # survival
+    return capacity_search_host(a, sps_table, active)
 
 
 def warm_scheduler(spec: SchedulerSpec, batch_buckets, block_size: int, max_tokens: int) -> None:

@@ -267,7 +267,8 @@ def test_deepspec_file_through_ours_and_back_is_bit_exact(ds, hf_target, target,
 # ---- ours → DeepSpec → ours ---------------------------------------------------------------------------------------
 # Our own drafters with the DeepSpec-compatible switches (what `save(format="deepspec")` can express).
 OURS = {
-    "dspark": dict(kind="dspark", calibration=(1.5, 1.2, 1.0, 0.9, 0.8), calibration_offsets=(0.1, -0.2, 0.0, 0.3, -0.5)),
+    "dspark": dict(kind="dspark", calibration=(1.5, 1.2, 1.0, 0.9, 0.8),
+                   calibration_offsets=(0.1, -0.2, 0.0, 0.3, -0.5)),
     "dspark-gated": dict(kind="dspark", head="gated", confidence_with_markov=False),
     "dspark-rnn": dict(kind="dspark", head="rnn", rnn_bias=True),
     "dflash": dict(kind="dflash", anchor_predicts=True),

@@ -15,6 +15,7 @@ import pytest
 from dspark_jax.scheduling import (
     bucket_sps,
     capacity_search,
+    capacity_search_host,
     fixed_lengths,
     prefix_schedule,
     survival,
@@ -177,6 +178,7 @@ def test_matches_literal_algorithm_1_on_random_batches():
         want_prefix, want_k = _path_reference(a[i], sps[i], active[i])
         np.testing.assert_array_equal(got_prefix[i], want_prefix, err_msg=f"instance {i}")
         assert got_k[i] == want_k, i
+        assert capacity_search_host(a[i], sps[i], active[i]) == want_k, i  # the engine's host twin
     assert 0 < (got_prefix.sum(-1) < got_k).sum() < n  # both regimes occur: the break does bind
 
 

@@ -29,7 +29,7 @@ def test_smollm2_greedy_speculative_equals_target_only(smollm2, prompts_and_refe
     prompts, ref = prompts_and_reference
     drafter = dspark_jax.load_drafter(f"smollm2-135m-instruct/{kind}", smollm2)
     if L != drafter.config.block_size:  # the calibration temperatures are per position of the trained block
-        drafter = drafter.with_config(block_size=L, calibration=())
+        drafter = drafter.with_config(block_size=L, calibration=(), calibration_offsets=())
     out = dspark_jax.generate(smollm2, prompts, drafter, max_new_tokens=32, ignore_eos=True)
     assert out.tokens == ref.tokens
     assert sum(out.stats["acceptance_accepts"]) > 0 and out.stats["tau"] > 1.1, (kind, L, out.stats)
