@@ -22,7 +22,7 @@ from flax import nnx
 from dspark_jax import deepspec, draft_vocab
 from dspark_jax import kernels as kernels_lib
 from dspark_jax.drafter_config import DrafterConfig
-from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead
+from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead, calibration
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 
 CONFIG_FILE = "drafter_config.json"
@@ -74,11 +74,11 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
         probs = filter_probs(U, temperature, top_k, top_p)
         conf = jnp.ones((B, L), jnp.float32)
         if cfg.confidence:  # a confidence head without the Markov input reads h_k alone (DeepSpec allows it)
-            t, b = model.calibration()
+            t, b = calibration(cfg)
             conf = jax.nn.sigmoid(model.confidence_logit(h, None) / t + b)
         return draft_vocab.to_target(sample(keys, probs, greedy), cfg), widen(probs), conf
 
-    temps, offsets = model.calibration()
+    temps, offsets = calibration(cfg)
 
     def body(carry, inputs):
         prev, state = carry

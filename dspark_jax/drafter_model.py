@@ -308,9 +308,6 @@ class DrafterModel(nnx.Module):
         feats = jnp.concatenate([h_k.astype(e.dtype), e], -1)
         return (feats @ self.conf_w[...] + self.conf_b[...]).astype(jnp.float32)
 
-    def calibration(self):
-        return calibration(self.cfg)
-
     # ---- EAGLE-3 autoregressive step -------------------------------------------------------------------------
     def eagle_step(self, head: TargetHead, cache: DrafterCache, token, feature, position, extra):
         """One token: token [B], fused feature [B, D] at position [B]; `extra` = (k, v, mask) of earlier

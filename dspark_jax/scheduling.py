@@ -172,6 +172,11 @@ def capacity_search(a: jax.Array, sps: jax.Array, active: jax.Array | None = Non
     return jnp.argmax(theta).astype(jnp.int32)
 
 
+def survival_host(confidence, dtype=np.float32) -> np.ndarray:
+    """`survival` in numpy (the engine's host side): a_k = c_1⋯c_k with a running minimum along L."""
+    return np.minimum.accumulate(np.cumprod(np.asarray(confidence, dtype), axis=-1), axis=-1)
+
+
 def capacity_search_host(a, sps, active=None) -> int:
     """`capacity_search` in numpy, for the engine's host: the same admission path and Θ, the same K
     (tests/test_scheduling.py holds the two equal). The host computes K while the device runs the previous
@@ -185,9 +190,10 @@ def capacity_search_host(a, sps, active=None) -> int:
     Returns:
       K: int.
     """
-    a = np.minimum.accumulate(np.asarray(a, np.float32), axis=1)
+    a = np.asarray(a, np.float32)
     if a.ndim != 2:
         raise ValueError(f"survival must be [B, L], got {a.shape=}")
+    a = np.minimum.accumulate(a, axis=1)
     active = np.ones(a.shape[0], bool) if active is None else np.asarray(active, bool)
     sps = np.asarray(sps, np.float32)
     valid = (active[:, None] & (a > 0)).reshape(-1)

@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="reports/serve", help="directory for bench_serve.json and throughput.png")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
 
     from dspark_jax.drafter import load_drafter
     from dspark_jax.target import load_target

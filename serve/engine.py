@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from dspark_jax.keys import request_key_data
+from dspark_jax.scheduling import survival_host
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
 from serve.scheduler import SchedulerSpec, SpsTable, dspark_capacity, host_lengths, pick_bucket, warm_scheduler
@@ -456,7 +457,7 @@ class EngineCore:
         if self._plain_run >= self._probe_gap:
             self._plain_run, self._probed = 0, True
             return False
-        a = np.minimum.accumulate(np.cumprod(stale[:R].astype(np.float64), axis=-1), axis=-1).ravel()
+        a = survival_host(stale[:R], np.float64).ravel()
         gain = float(np.sort(a)[::-1][:K].sum()) if K > 0 else 0.0
         theta_spec = (R + gain) * float(sps[min(R + K, len(sps) - 1)])
         plain = R * plain_sps > theta_spec

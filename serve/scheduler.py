@@ -21,7 +21,14 @@ import jax
 import numpy as np
 
 from dspark_jax.policy import Policy
-from dspark_jax.scheduling import bucket_sps, capacity_search_host, prefix_schedule, survival, threshold_lengths
+from dspark_jax.scheduling import (
+    bucket_sps,
+    capacity_search_host,
+    prefix_schedule,
+    survival,
+    survival_host,
+    threshold_lengths,
+)
 
 SchedulerSpec = Policy  # the one parser and meaning of policy strings (dspark_jax/policy.py)
 
@@ -64,8 +71,7 @@ def dspark_capacity(stale_conf: np.ndarray | None, active: np.ndarray, block_siz
     stale row belonged to another request are treated the same way. Computed on the host (numpy), so it
     never waits behind the pass in flight on the device."""
     conf = np.ones((active.shape[0], block_size), np.float32) if stale_conf is None else stale_conf
-    a = np.minimum.accumulate(np.cumprod(np.asarray(conf, np.float32), axis=-1), axis=-1)  # survival
-    return capacity_search_host(a, sps_table, active)
+    return capacity_search_host(survival_host(conf), sps_table, active)
 
 
 def warm_scheduler(spec: SchedulerSpec, batch_buckets, block_size: int, max_tokens: int) -> None:

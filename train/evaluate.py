@@ -128,15 +128,20 @@ def calibrate_cli(args) -> None:
     if not drafter.config.confidence:
         raise ValueError(f"a {drafter.config.kind} drafter has no confidence head to calibrate")
     raw = drafter.with_config(calibration=(), calibration_offsets=())
-    fit_p, test_p = [], []
-    for d in datasets.DOMAINS:
-        ps = datasets.load_prompts("eval", d, 2 * args.prompts, seed=args.seed + 1)
-        fit_p += ps[0::2]
-        test_p += ps[1::2]
     if args.rounds:  # rounds saved by an earlier run (its rounds.npz): refit without decoding again
-        with np.load(args.rounds) as f:
-            z_fit, m_fit, z_test, m_test = f["z_fit"], f["m_fit"], f["z_test"], f["m_test"]
+        try:
+            with np.load(args.rounds) as f:
+                z_fit, m_fit, z_test, m_test = f["z_fit"], f["m_fit"], f["z_test"], f["m_test"]
+                prompts = {"fit": int(f["prompts_fit"]), "held_out": int(f["prompts_held_out"])}
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"--rounds {args.rounds}: not a rounds.npz written by `train calibrate`: {e}") from None
     else:
+        fit_p, test_p = [], []
+        for d in datasets.DOMAINS:
+            ps = datasets.load_prompts("eval", d, 2 * args.prompts, seed=args.seed + 1)
+            fit_p += ps[0::2]
+            test_p += ps[1::2]
+        prompts = {"fit": len(fit_p), "held_out": len(test_p)}
         bar = tqdm(total=len(fit_p) + len(test_p), desc="calibration rounds", unit="prompt")
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=1.0, batch_size=8, seed=args.seed, progress=bar)
         _, z_fit, m_fit = run_rounds(target, raw, fit_p, **kw)
@@ -153,7 +158,7 @@ def calibrate_cli(args) -> None:
     chosen = min(methods, key=lambda k: methods[k]["held_out"]["mean_gap_after"])
     temps, offsets = fits[chosen]
     report = {**methods[chosen], "method": chosen, "temperatures": list(temps), "offsets": list(offsets),
-              "methods": methods, "prompts": {"fit": len(fit_p), "held_out": len(test_p)}}
+              "methods": methods, "prompts": prompts}
     from dspark_jax.drafter import resolve_drafter
 
     drafter_dir = resolve_drafter(args.drafter)
@@ -165,7 +170,8 @@ def calibrate_cli(args) -> None:
     calibrated.save(out, dtype=args.dtype)
     rep_dir = args.report or out
     os.makedirs(rep_dir, exist_ok=True)
-    np.savez(os.path.join(rep_dir, "rounds.npz"), z_fit=z_fit, m_fit=m_fit, z_test=z_test, m_test=m_test)
+    np.savez(os.path.join(rep_dir, "rounds.npz"), z_fit=z_fit, m_fit=m_fit, z_test=z_test, m_test=m_test,
+             prompts_fit=prompts["fit"], prompts_held_out=prompts["held_out"])
     with open(os.path.join(rep_dir, "calibration.json"), "w") as f:
         json.dump(report, f, indent=2)
     reliability_diagram(z_test, m_test, temps, os.path.join(rep_dir, "reliability.png"), offsets=offsets,
