@@ -40,8 +40,13 @@ from dspark_jax.decoding import (
 from dspark_jax.drafter import draft_block
 from dspark_jax.drafter_model import DrafterModel, TargetHead
 from dspark_jax.policy import Policy
+from dspark_jax.runner import Static
 from dspark_jax.sampling import all_greedy, filter_probs
 from dspark_jax.verification import acceptance_counts, greedy_verify, verify
+
+
+def _unwrap(graph):
+    return graph.value if isinstance(graph, Static) else graph
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "dcfg", "policy", "tied", "kernels"),
@@ -51,8 +56,10 @@ def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rn
     """One speculative round for a batch. Returns (tcache, dcache, next anchor [B], emitted [B, L+1]
     (padded with −1), num_emitted [B], verification lengths [B], num_accepted [B], confidence [B, L]).
     `dhead`: a reduced draft vocabulary's head columns [D, Vd] (`draft_vocab.subset_head`, gathered once by the
-    caller rather than in every round), or None."""
+    caller rather than in every round), or None. `tgraph` / `dgraph` may come wrapped in `runner.Static`
+    (hashed once: jit hashes static arguments on every call, and a 30-layer graphdef's hash is ~5 ms of Python)."""
     L = dcfg.block_size
+    tgraph, dgraph = _unwrap(tgraph), _unwrap(dgraph)
     target = nnx.merge(tgraph, tparams)
     drafter: DrafterModel = nnx.merge(dgraph, dparams)
     head = TargetHead.from_params(tparams, tied, draft_lm_head=dhead)
@@ -136,11 +143,12 @@ def generate_speculative(target, drafter, prompts, *, policy=None, max_new_token
             on_tokens(b, taken)
     t1 = time.perf_counter()
     rnd = 0
+    tgraph, dgraph = Static(target.graphdef), Static(drafter.graphdef)
     while not track.done.all():
         rnd += 1
         live = ~track.done
         tcache, dcache, anchor, emitted, num_emitted, lengths, m, conf = spec_step(
-            target.graphdef, target.params, drafter.graphdef, drafter.params, tcache, dcache, anchor, keys, rnd,
+            tgraph, target.params, dgraph, drafter.params, tcache, dcache, anchor, keys, rnd,
             temp, tk, tp, dcfg=dcfg, policy=policy, tied=tied, kernels=kernels, dhead=dhead)
         emitted, num_emitted = np.asarray(emitted), np.asarray(num_emitted)
         lengths, m = np.asarray(lengths), np.asarray(m)

@@ -460,7 +460,7 @@ class EngineCore:
         a = survival_host(stale[:R], np.float64).ravel()
         gain = float(np.sort(a)[::-1][:K].sum()) if K > 0 else 0.0
         theta_spec = (R + gain) * float(sps[min(R + K, len(sps) - 1)])
-        plain = R * plain_sps > theta_spec
+        plain = R * plain_sps >= theta_spec  # a tie (e.g. K = 0: a draft pass for nothing) takes the plain step
         if not plain:
             self._plain_run, self._probe_gap = 0, PROBE_EVERY
         else:

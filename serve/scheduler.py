@@ -104,7 +104,9 @@ class SpsTable:
         return sorted({c for _, _, c in self.entries})
 
     def smoothed(self) -> SpsTable:
-        """Running minimum along capacity (for each batch bucket and context), then along context."""
+        """Running minimum along capacity (for each batch bucket and context), then along context; a plain
+        step is at least as fast as the full step of its batch bucket at the smallest capacity profiled there
+        and the same context (it is that step without the draft pass and with ℓ = 0), then monotone in context."""
         out = dict(self.entries)
         for bb, ctx in {(b, c) for b, _, c in out}:
             best = np.inf
@@ -117,6 +119,10 @@ class SpsTable:
                 best = min(best, out[bb, cap, ctx])
                 out[bb, cap, ctx] = best
         plain = dict(self.plain)
+        for bb, ctx in plain:
+            caps = [c for b, c, x in out if b == bb and x == ctx]
+            if caps:
+                plain[bb, ctx] = max(plain[bb, ctx], out[bb, min(caps), ctx])
         for bb in {b for b, _ in plain}:
             best = np.inf
             for ctx in sorted(c for b, c in plain if b == bb):

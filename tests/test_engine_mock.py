@@ -771,6 +771,36 @@ def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
     assert not any(run(1.0))
 
 
+def test_dspark_never_drafts_for_an_empty_budget():
+    """Confidences of 0 give the capacity search K = 0, and a plain step priced like the full step it is a part
+    of (the table a noisy profile can give): the tie takes the plain step. Before, Θ_plain had to beat Θ_0
+    strictly, so every step drafted a block and verified none of it (session 11: 91% of c = 1 steps)."""
+    from serve.engine import PROBE_EVERY
+    from serve.scheduler import SpsTable
+
+    core, runner = make_core("dspark", B=2, L=4, max_model_len=96,
+                             conf=lambda t, s, seed, rnd: np.zeros(4, np.float32))
+    core.set_sps(SpsTable({(bb, c, 0): 1.0 for bb, c in runner.verify_shapes()}, {(bb, 0): 1.0 for bb in (1, 2)}))
+    out = Outputs()
+    submit(core, out, "r1", [10, 11], 40, seed=1)
+    drain(core, out)
+    assert out.tokens("r1") == continuation([10, 11], 40)[0]
+    plain = [rec.plain for rec in runner.passes]
+    assert plain[2 : 2 + PROBE_EVERY] == [True] * PROBE_EVERY, plain
+    assert sum(plain) > 0.8 * len(plain), plain
+
+
+def test_sps_smoothing_prices_a_plain_step_at_least_as_its_full_step():
+    """A plain step is the full step of its batch bucket at the smallest capacity without the draft pass, so
+    the smoothed table never prices it slower; then it is monotone in context like the rest."""
+    from serve.scheduler import SpsTable
+
+    entries = {(1, 1, 64): 10.0, (1, 2, 64): 8.0, (1, 1, 512): 9.0, (1, 2, 512): 7.0, (2, 2, 64): 6.0}
+    table = SpsTable(entries, {(1, 64): 7.0, (1, 512): 12.0, (2, 64): 6.5}).smoothed()
+    assert table.plain == {(1, 64): 10.0, (1, 512): 10.0, (2, 64): 6.5}
+    assert table.entries == entries  # already monotone: unchanged
+
+
 def test_dspark_prices_a_newcomer_like_the_running_requests_not_as_a_sure_accept():
     """Under steady arrivals the requests without confidences yet are priced at the last pass's mean, so a
     drafter that does not pay (survival 0.1, plain steps twice as fast) keeps plain steps with newcomers
