@@ -63,7 +63,7 @@ def _count_compile(event: str, duration_secs: float, **kw) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
 PROGRAMS = ("jit(prefill_program)", "jit(draft_program)", "jit(verify_program)", "jit(advance)")
 NUM_TOP_LOGPROBS = 20  # top alternatives computed when any request of a pass asks for logprobs
-PROFILE_BLOCKS = 3  # profiling: runs of chained steps per shape, the fastest counts (`_steps_per_second`)
+PROFILE_BLOCKS = 2  # profiling: runs of chained steps per shape, the fastest counts (`_steps_per_second`)
 
 
 def pow2_buckets(top: int, start: int = 1) -> tuple[int, ...]:
@@ -558,7 +558,8 @@ class ModelRunner:
         speed, a 2-token one at 1.1, in session 11's run) and so makes speculation look cheaper than it is.
         The fastest of several runs, because noise (a collection, another process) only ever slows a run, and
         one slow run of a cheap shape is enough to flip the plain-or-draft choice (session 11 priced a plain
-        step below the full step it is a part of)."""
+        step below the full step it is a part of). Session 12's bench ran with 3 blocks; the default is 2 to keep
+        start-up (≈ 90 shapes for a dspark engine) short."""
         dev = self.device_batch(b)
         jax.block_until_ready(self.dispatch(dev, **dispatch).emitted)
         best = 0.0
