@@ -122,10 +122,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: %(default)s)")
+    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax", "xla"),
+                   metavar="DIR",
+                   help="keep compiled XLA programs in this directory so a restart with the same flags skips most "
+                        "compilation (jax's persistent compilation cache; trusted: do not share it with users you do "
+                        "not trust); 'none' turns it off (default: %(default)s)")
     args = p.parse_args(argv)
     if args.drafter == "none" and args.scheduler not in (None, "none", "fixed:0"):
         p.error(f"--scheduler {args.scheduler} needs a drafter; drop it or pass --drafter")
     return args
+
+
+def enable_compile_cache(path: str) -> None:
+    """Turns on jax's persistent compilation cache in `path` (before the first compilation). Programs that
+    compile in under half a second are not worth a disk read and stay out of it."""
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def chat_template_of(engine):
@@ -159,6 +174,8 @@ def main(argv=None) -> int:
     from dspark_jax.logs import configure_logging, third_party_level  # no JAX import
 
     configure_logging(args.log_level)  # ours at --log-level; jax, absl, uvicorn ... at WARNING unless debug
+    if args.compile_cache != "none":
+        enable_compile_cache(args.compile_cache)
     from serve.server import build_app, serve_forever
 
     try:

@@ -158,3 +158,20 @@ def test_json_output_default_model():
     assert isinstance(out["text"], str)
     assert {"prefill_s", "decode_s", "load_s"} <= set(out["timings"])
     assert all(v >= 0 for v in out["timings"].values())
+
+
+def test_compile_cache_flag_defaults_to_the_user_cache_and_turns_off(tmp_path):
+    import os
+
+    import jax
+
+    from serve.cli import enable_compile_cache, parse_args
+
+    assert parse_args([]).compile_cache.endswith(os.path.join(".cache", "dspark_jax", "xla"))
+    assert parse_args(["--compile-cache", "none"]).compile_cache == "none"
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        enable_compile_cache(str(tmp_path / "xla"))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla") and (tmp_path / "xla").is_dir()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
