@@ -122,25 +122,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: %(default)s)")
-    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax", "xla"),
-                   metavar="DIR",
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep compiled XLA programs in this directory so a restart with the same flags skips most "
                         "compilation (jax's persistent compilation cache; trusted: do not share it with users you do "
-                        "not trust); 'none' turns it off (default: %(default)s)")
+                        "not trust); 'none' turns it off (default: xla/ in the dspark_jax cache, $DSPARK_JAX_CACHE "
+                        "or ~/.cache/dspark_jax)")
     args = p.parse_args(argv)
     if args.drafter == "none" and args.scheduler not in (None, "none", "fixed:0"):
         p.error(f"--scheduler {args.scheduler} needs a drafter; drop it or pass --drafter")
     return args
 
 
-def enable_compile_cache(path: str) -> None:
-    """Turns on jax's persistent compilation cache in `path` (before the first compilation). Programs that
-    compile in under half a second are not worth a disk read and stay out of it."""
+def enable_compile_cache(path: str | None = None) -> str:
+    """Turns on jax's persistent compilation cache in `path` (default: xla/ under `dspark_jax.hub.cache_dir()`)
+    before the first compilation; returns the directory. Programs that compile in under half a second are not
+    worth a disk read and stay out of it. Raises OSError when the directory cannot be made."""
     import jax
 
+    from dspark_jax.hub import cache_dir
+
+    path = path or os.path.join(cache_dir(), "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
 
 
 def chat_template_of(engine):
@@ -174,11 +179,11 @@ def main(argv=None) -> int:
     from dspark_jax.logs import configure_logging, third_party_level  # no JAX import
 
     configure_logging(args.log_level)  # ours at --log-level; jax, absl, uvicorn ... at WARNING unless debug
-    if args.compile_cache != "none":
-        enable_compile_cache(args.compile_cache)
     from serve.server import build_app, serve_forever
 
     try:
+        if args.compile_cache != "none":
+            enable_compile_cache(args.compile_cache)
         from serve.engine import create_engine  # imported here: it pulls in JAX
 
         engine = create_engine(target=args.target, drafter=None if args.drafter == "none" else args.drafter,

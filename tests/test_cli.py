@@ -160,18 +160,19 @@ def test_json_output_default_model():
     assert all(v >= 0 for v in out["timings"].values())
 
 
-def test_compile_cache_flag_defaults_to_the_user_cache_and_turns_off(tmp_path):
-    import os
-
+def test_compile_cache_defaults_to_the_dspark_jax_cache_and_turns_off(tmp_path, monkeypatch):
     import jax
 
-    from serve.cli import enable_compile_cache, parse_args
+    from serve.cli import enable_compile_cache, main, parse_args
 
-    assert parse_args([]).compile_cache.endswith(os.path.join(".cache", "dspark_jax", "xla"))
+    assert parse_args([]).compile_cache is None
     assert parse_args(["--compile-cache", "none"]).compile_cache == "none"
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path))
     before = jax.config.jax_compilation_cache_dir
     try:
-        enable_compile_cache(str(tmp_path / "xla"))
+        assert enable_compile_cache() == str(tmp_path / "xla")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla") and (tmp_path / "xla").is_dir()
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+    (tmp_path / "file").write_text("")  # a directory that cannot be made: a clear error, status 2
+    assert main(["--compile-cache", str(tmp_path / "file" / "xla")]) == 2
