@@ -337,7 +337,9 @@ class ModelRunner:
                                 page_size=page_size, head_dim=tc.head_dim, dtype=target.dtype,
                                 sharding=paged_sharding(mesh, tc.num_kv_heads) if mesh is not None else self._placement)
         self.dkv = None
-        self.tparams, self.dparams = target.params, (drafter.params if drafter is not None else None)
+        # On XLA:CPU the target's dense weights output-major (Target.serving_split), unless sharded.
+        tgraph, self.tparams = target.serving_split(None if mesh is None else False)
+        self.dparams = drafter.params if drafter is not None else None
         if drafter is not None:
             dc = drafter.config
             self.dkv = PagedKV.init(num_layers=dc.num_layers, num_pages=num_pages, num_kv_heads=dc.num_kv_heads,
@@ -355,7 +357,7 @@ class ModelRunner:
             lm_head = TargetHead.from_params(self.tparams, target.config.tie_word_embeddings).lm_head
             self.dhead = draft_vocab.subset_head(lm_head, drafter.config)
         self._placeholders: dict = {}  # batch bucket → placeholder drafts of a plain step
-        self._static = dict(tg=Static(target.graphdef), dg=Static(drafter.graphdef) if drafter is not None else None,
+        self._static = dict(tg=Static(tgraph), dg=Static(drafter.graphdef) if drafter is not None else None,
                             hidden_layers=drafter.config.target_layers if drafter is not None else (),
                             kernels=kernels)
 

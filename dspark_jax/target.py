@@ -45,6 +45,7 @@ class Target:
         self.tokenizer = tokenizer
         self.source = source
         self.graphdef, self.params = nnx.split(model)
+        self._served = None  # (params it was made from, graphdef, params) of `serving_split`
         self._forward = jax.jit(
             functools.partial(apply, self.graphdef),
             static_argnames=("hidden_layers", "compute_logits", "kernels"),
@@ -61,6 +62,25 @@ class Target:
     def module(self) -> Decoder:
         """The NNX Decoder over the current params (for code that wants attribute access, e.g. the head)."""
         return nnx.merge(self.graphdef, self.params)
+
+    def serving_split(self, out_in: bool | None = None):
+        """(graphdef, params) of the Decoder as the paged serving round runs it (dspark_jax/runner.py).
+
+        out_in: the dense weights output-major (`layers.dense`: the verification pass's few rows run as
+        W @ xᵀ), made once and kept beside the target's own (the embedding is shared); None = on XLA:CPU only,
+        where it pays (GPU/TPU GEMMs have no such small-row penalty, and the sharding rules name the einsum
+        layout). Same products: the outputs equal the einsum layout's up to the order of float additions."""
+        if out_in is None:
+            out_in = jax.default_backend() == "cpu"
+        if not out_in:
+            return self.graphdef, self.params
+        if self._served is None or self._served[0] is not self.params:
+            model = nnx.merge(self.graphdef, self.params)
+            for layer in model.layers:
+                layer.attn.to_out_in()
+                layer.mlp.to_out_in()
+            self._served = (self.params, *nnx.split(model))
+        return self._served[1], self._served[2]
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.config

@@ -76,6 +76,20 @@ def runners(tiny):
     return {"spec": spec.core.runner, "plain": plain.core.runner}
 
 
+def test_runner_serves_the_cpu_layout_and_matches_the_einsum_layout(tiny, runners):
+    """On XLA:CPU the runner serves the target with its dense weights output-major (Target.serving_split), and
+    its greedy tokens equal a plain greedy loop over the target's own (einsum-layout) full forward."""
+    target, _, prompts, ref = tiny
+    for runner in runners.values():
+        assert runner._static["tg"].value is target.serving_split()[0]
+        assert runner.tparams["layers"][0]["mlp"]["gate"].shape == target.params["layers"][0]["mlp"]["gate"].shape[::-1]
+    for prompt, want in zip(prompts[:3], ref[:3], strict=True):
+        ids = list(prompt)
+        for _ in range(MAX_NEW):
+            ids.append(int(np.argmax(np.asarray(target.logits(np.asarray([ids], np.int32)))[0, -1])))
+        assert ids[len(prompt):] == want
+
+
 @pytest.mark.parametrize("scheduler", ["fixed:2", "dspark"])
 def test_no_xla_compilation_after_warm_up(tiny, scheduler):
     """Counted in XLA compilations, not Python traces: the same trace compiles again when an argument's placement

@@ -186,3 +186,41 @@ def test_tied_head_equals_the_plain_product_at_every_row_count(shape):
     want = np.asarray(h) @ np.asarray(embed).T
     assert out.shape == want.shape
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (1, 5, 48), (2, 8, 48), (33, 48), (3, 1, 48)])
+def test_output_major_dense_equals_the_plain_product_at_every_row_count(shape):
+    """layers.dense with an output-major weight [O, I] (the served target's layout on XLA:CPU) is x @ Wᵀ in the
+    caller's shape, whatever the number of rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.layers import dense
+
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((70, 48), np.float32))  # [O, I]
+    x = jnp.asarray(rng.standard_normal(shape, np.float32))
+    out = np.asarray(jax.jit(dense, static_argnums=2)(x, w, True))
+    want = np.asarray(x) @ np.asarray(w).T
+    assert out.shape == want.shape
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type,tied,overrides", CASES, ids=IDS)
+def test_serving_layout_matches_transformers(model_type, tied, overrides, tmp_path):
+    """The target as the paged round serves it on XLA:CPU (Target.serving_split: dense weights output-major)
+    computes the same logits as transformers, biases and q/k norms included, and really is output-major."""
+    from flax import nnx
+
+    hf = make_hf_model(model_type, tied=tied, **overrides)
+    target = target_from_hf(hf, tmp_path)
+    graphdef, params = target.serving_split(True)
+    assert target.serving_split(True)[1] is params  # converted once, then kept
+    assert target.serving_split(False) == (target.graphdef, target.params)
+    served = Target(nnx.merge(graphdef, params), source="served")
+    layer, orig = served.module().layers[0], target.module().layers[0]
+    assert layer.mlp.out_in and layer.attn.out_in and not orig.mlp.out_in
+    assert layer.mlp.gate[...].shape == orig.mlp.gate[...].shape[::-1]
+    assert layer.attn.o[...].shape == (orig.attn.o[...].shape[2], *orig.attn.o[...].shape[:2])
+    ids = _ids(2, 80)
+    np.testing.assert_allclose(np.asarray(served.logits(ids)), hf_logits(hf, ids), atol=1e-4, rtol=0)
