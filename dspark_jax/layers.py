@@ -155,9 +155,10 @@ def dense(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
 
     Output-major, the product runs as w @ xᵀ, both operands contiguous along I, behind an optimization barrier
     (so XLA does not fold the transpose back into the dot), then transposed back (a few rows). On XLA:CPU that
-    is what makes a verification pass cheap: the 30 SmolLM2 MLPs (scripts/bench_dense_layout.py, one run) take
-    ~11 ms either way at 1 row, but 17.9 against 21.4 ms at 8 rows and 23 against 43 ms at 16; the tied LM head
-    is the same product (model.tied_head)."""
+    is what makes a verification pass cheap: SmolLM2's whole pass over 8 tokens at context 64 took 40.7 ms this
+    way against 48.7 ms as x @ W (1.31× against 1.66× its one-token pass; `scripts/bench_verify_price.py`,
+    reports/serve/session14/verify_price.log, one run), and the same at one token. The tied LM head is the same
+    product (model.tied_head)."""
     if not out_in:
         return jnp.matmul(x, w)
     rows = x.reshape(-1, x.shape[-1])

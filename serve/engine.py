@@ -379,6 +379,8 @@ class EngineCore:
             budget = min(dspark_capacity(stale, active, self.L, sps), self.capacities[-1] - R)
             if self._plain_pays(stale, R, budget, sps, self.sps.plain_at(Bb, context)):
                 return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
+            if self._probed:  # a probe is for its draft pass (fresh confidences): it verifies no draft token, as
+                budget = 0  # the cost model has priced them below a plain step (at 16 rows a probe cost 4.7 of them)
             return _Plan(pick_bucket(R + budget, self.capacities), None, budget, None, True)
         lengths = host_lengths(self.spec, conf, active, self.L, sps)
         return _Plan(pick_bucket(int(R + lengths.sum()), self.capacities), lengths, None, None, False)
@@ -449,9 +451,10 @@ class EngineCore:
         """Whether a plain step (no draft pass) beats the best speculative one by the cost model:
         Θ_plain = R · SPS_plain against Θ_K = (R + Σ top-K survival) · SPS(R + K). Survival is the stale one
         (as for K), so the choice never looks at the current drafts. After a run of plain steps one step drafts
-        anyway, so the confidences the choice rests on stay fresh: the run is `PROBE_EVERY` steps at first and
-        doubles (up to `PROBE_MAX`) each time a probe leaves plain steps still ahead, so a drafter that does
-        not pay costs ever fewer draft passes; a speculative step chosen on its merits resets it."""
+        anyway (a probe, `_probed`; `_plan` has it verify no draft token), so the confidences the choice rests
+        on stay fresh: the run is `PROBE_EVERY` steps at first and doubles (up to `PROBE_MAX`) each time a
+        probe leaves plain steps still ahead, so a drafter that does not pay costs ever fewer draft passes; a
+        speculative step chosen on its merits resets it."""
         if plain_sps is None or stale is None:
             return False
         if self._plain_run >= self._probe_gap:

@@ -758,9 +758,9 @@ def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
         submit(core, out, "r1", [10, 11], 60, seed=1)
         drain(core, out)
         assert out.tokens("r1") == continuation([10, 11], 60)[0]
-        return [rec.plain for rec in runner.passes]
+        return [rec.plain for rec in runner.passes], runner.passes
 
-    plain = run(2.0)
+    plain, passes = run(2.0)
     assert plain[:2] == [False, False]  # no confidences two passes old yet
     first = 2 + PROBE_EVERY  # the first probe
     assert plain[2:first] == [True] * PROBE_EVERY and plain[first] is False
@@ -768,7 +768,12 @@ def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
     assert len(plain) > second, len(plain)
     assert plain[first + 1 : second] == [True] * (2 * PROBE_EVERY) and plain[second] is False
     assert sum(plain) > 0.8 * len(plain)
-    assert not any(run(1.0))
+    # A probe drafts for fresh confidences but verifies no draft token: the cost model has just priced any
+    # verified draft below a plain step (red when probes verified the capacity search's budget).
+    probes = [rec for rec in passes[first:] if not rec.plain]
+    assert probes and all(rec.budget == 0 and rec.want_confidence and not any(rec.ell.values()) for rec in probes)
+    always, passes = run(1.0)
+    assert not any(always) and any(rec.budget for rec in passes)
 
 
 def test_dspark_never_drafts_for_an_empty_budget():
