@@ -380,7 +380,7 @@ class EngineCore:
             if self._plain_pays(stale, R, budget, sps, self.sps.plain_at(Bb, context)):
                 return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
             if self._probed:  # a probe is for its draft pass (fresh confidences): it verifies no draft token, as
-                budget = 0  # the cost model has priced them below a plain step (at 16 rows a probe cost 4.7 of them)
+                budget = 0  # the cost model has just priced verifying them below a plain step
             return _Plan(pick_bucket(R + budget, self.capacities), None, budget, None, True)
         lengths = host_lengths(self.spec, conf, active, self.L, sps)
         return _Plan(pick_bucket(int(R + lengths.sum()), self.capacities), lengths, None, None, False)
