@@ -8,6 +8,7 @@ donated, so each call updates the cache buffers in place instead of copying them
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +70,11 @@ class Target:
         out_in: the dense weights output-major (`layers.dense`: the verification pass's few rows run as
         W @ xᵀ), made once and kept beside the target's own (the embedding is shared); None = on XLA:CPU only,
         where it pays (GPU/TPU GEMMs have no such small-row penalty, and the sharding rules name the einsum
-        layout). Same products: the outputs equal the einsum layout's up to the order of float additions."""
+        layout), and only while a second copy of the weights fits in half the free memory (a large bf16 target
+        that fits once is served in its own layout). Same products: the outputs equal the einsum layout's up to
+        the order of float additions."""
         if out_in is None:
-            out_in = jax.default_backend() == "cpu"
+            out_in = jax.default_backend() == "cpu" and _fits_twice(self.params)
         if not out_in:
             return self.graphdef, self.params
         if self._served is None or self._served[0] is not self.params:
@@ -135,3 +138,13 @@ def load_target(spec: str = hub.DEFAULT_TARGET, dtype: str = "float32") -> Targe
         raise hub.ModelSpecError(f"cannot load {spec!r}: {e}") from e
     tokenizer = gguf_file.load_tokenizer(kind, path)
     return Target(model, tokenizer, source=path)
+
+
+def _fits_twice(params) -> bool:
+    """Whether another copy of `params` fits in half of the machine's free memory (Target.serving_split)."""
+    size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # this system cannot say: assume it fits
+        return True
+    return size <= free // 2

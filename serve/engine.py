@@ -456,6 +456,7 @@ class EngineCore:
         probe leaves plain steps still ahead, so a drafter that does not pay costs ever fewer draft passes; a
         speculative step chosen on its merits resets it."""
         if plain_sps is None or stale is None:
+            self._probed = False  # drafting for want of a cost model, not a probe
             return False
         if self._plain_run >= self._probe_gap:
             self._plain_run, self._probed = 0, True

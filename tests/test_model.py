@@ -224,3 +224,20 @@ def test_serving_layout_matches_transformers(model_type, tied, overrides, tmp_pa
     assert layer.attn.o[...].shape == (orig.attn.o[...].shape[2], *orig.attn.o[...].shape[:2])
     ids = _ids(2, 80)
     np.testing.assert_allclose(np.asarray(served.logits(ids)), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_serving_layout_is_skipped_when_a_second_copy_would_not_fit(tmp_path, monkeypatch):
+    """On XLA:CPU the served layout is a second copy of the dense weights; a target that fits in memory only once
+    (a large bf16 model) is served in its own layout instead of running out of memory at start-up."""
+    import os
+
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the output-major serving layout is XLA:CPU's")
+    hf = make_hf_model("llama", tied=True)
+    target = target_from_hf(hf, tmp_path)
+    assert target.serving_split()[1] is not target.params  # this machine: room for both
+    target._served = None
+    monkeypatch.setattr(os, "sysconf", lambda name: 1)  # one free page of one byte
+    assert target.serving_split() == (target.graphdef, target.params)
