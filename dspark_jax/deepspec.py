@@ -401,6 +401,8 @@ def _exportable(cfg: DrafterConfig, target) -> None:
         why.append("DeepSpec's drafters score the full vocabulary: no draft_vocab")
     if cfg.head == "rnn" and not cfg.rnn_bias:
         why.append("DeepSpec's RNN head has a bias: train with rnn_bias=True")
+    if cfg.anchor_feature:
+        why.append("DeepSpec's block drafters feed the anchor slot its embedding alone: no anchor_feature")
     if why:
         raise ValueError("this drafter has no DeepSpec equivalent: " + "; ".join(why))
 

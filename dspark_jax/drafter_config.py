@@ -70,6 +70,9 @@ class DrafterConfig:
     confidence_with_markov: bool = True  # confidence reads [h_k; W1[x_{k−1}]]; False: h_k alone
     rnn_bias: bool = False  # the RNN head's joint projection has a bias
     eagle_layer: str = "fused"  # eagle3: fused = fc([norm e; f]) into a standard layer; concat = EAGLE-3's own
+    # dspark/dflash: the anchor slot's input also carries the last context feature H_ctx[n−1] (through a D×D
+    # projection that starts at zero), as EAGLE-3's input does, so position 1 need not find it by attention.
+    anchor_feature: bool = False
 
     @property
     def anchor_slot_predicts(self) -> bool:
@@ -95,6 +98,8 @@ class DrafterConfig:
             raise ValueError(f"unknown eagle_layer {self.eagle_layer!r}; choose one of {', '.join(EAGLE_LAYERS)}")
         if self.eagle_layer != "fused" and self.kind != "eagle3":
             raise ValueError(f"eagle_layer={self.eagle_layer!r} applies to eagle3 only, got kind={self.kind!r}")
+        if self.anchor_feature and self.kind == "eagle3":
+            raise ValueError("anchor_feature applies to block drafters (dspark, dflash); eagle3 reads f_{n-1} already")
         if self.rnn_bias and self.head != "rnn":
             raise ValueError(f"rnn_bias needs head='rnn', got head={self.head!r}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:

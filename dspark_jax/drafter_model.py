@@ -167,6 +167,8 @@ class DrafterModel(nnx.Module):
             self.embed_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         elif cfg.kind != "eagle3":
             self.mask_embed = nnx.Param(init(rngs.params(), (D,), dtype))
+            if cfg.anchor_feature:  # H_ctx[n−1] @ anchor_fc joins the anchor's embedding; zero: the plain block
+                self.anchor_fc = nnx.Param(jnp.zeros((D, D), dtype))
         if cfg.head != "none":
             # Markov embedding: a row per token (per subset token + one shared row with a reduced vocabulary).
             rows = draft_vocab.size(cfg) + 1 if draft_vocab.is_reduced(cfg) else V
@@ -239,7 +241,11 @@ class DrafterModel(nnx.Module):
         B, T = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if self.cfg.kind != "eagle3":
-            return self.write_context(cache, head, feats, positions, committed)
+            last = None
+            if self.cfg.anchor_feature:  # H_ctx[n−1], read by the next block's anchor slot
+                last = self.project_features(feats[jnp.arange(B), committed - 1][:, None])[:, 0]
+            return self.write_context(cache, head, feats, positions, committed,
+                                      last_feature=None if last is None else last.astype(cache.last_feature.dtype))
         # EAGLE-3 entry t pairs f_t with x_{t+1}: entries 0..n−2 count, f_{n−1} waits for the anchor x_n.
         fused = self.project_features(feats)
         next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], 1)
@@ -253,7 +259,7 @@ class DrafterModel(nnx.Module):
         Returns h [B, L, D] (final-normed): dspark reads slots 0..L−1 (anchor + L−1 masks); dflash feeds
         anchor + L masks and reads the L mask slots (or, with `anchor_predicts`, the dspark layout).
         """
-        x, positions = self.block_inputs(head, anchor, start)
+        x, positions = self.block_inputs(head, anchor, start, cache.last_feature)
         B, n_in = positions.shape
         S = cache.k[0].shape[2]
         ctx_mask = jnp.broadcast_to(jnp.arange(S)[None, None] < cache.lengths[:, None, None], (B, n_in, S))
@@ -263,16 +269,26 @@ class DrafterModel(nnx.Module):
             x, _ = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx_mask, block_mask)
         return self.block_output(x)
 
-    def block_inputs(self, head: TargetHead, anchor: jax.Array, start: jax.Array):
+    def block_inputs(self, head: TargetHead, anchor: jax.Array, start: jax.Array, last_feature=None):
         """The block pass's inputs: x [B, n_in, D] (anchor embedding, then mask embeddings) at positions
-        [B, n_in] from `start`; n_in = L (dspark) or L + 1 (dflash). Shared by `block_hidden` and the paged
-        serving pass (dspark_jax/paged.py)."""
+        [B, n_in] from `start`; n_in = L (dspark) or L + 1 (dflash). Shared by `block_hidden`, the packed
+        training pass (train/losses.py) and the paged serving pass (dspark_jax/paged.py).
+
+        anchor [...]; with `anchor_feature`, last_feature [..., D] = H_ctx[n−1] joins the anchor's embedding."""
         L = self.cfg.block_size
         n_in = L if self.cfg.anchor_slot_predicts else L + 1
-        B = anchor.shape[0]
+        emb = self.anchor_input(head, anchor, last_feature)
+        return (jnp.concatenate([emb[..., None, :], jnp.broadcast_to(self.mask_embed[...], emb.shape[:-1] + (
+            n_in - 1, emb.shape[-1]))], -2), start[..., None] + jnp.arange(n_in, dtype=jnp.int32))
+
+    def anchor_input(self, head: TargetHead, anchor: jax.Array, last_feature=None) -> jax.Array:
+        """The anchor slot's input [..., D]: its token's embedding (+ H_ctx[n−1] @ anchor_fc, `anchor_feature`)."""
         emb = jnp.take(head.embed, anchor, axis=0).astype(self.mask_embed[...].dtype)
-        x = jnp.concatenate([emb[:, None], jnp.broadcast_to(self.mask_embed[...], (B, n_in - 1, emb.shape[-1]))], 1)
-        return x, start[:, None] + jnp.arange(n_in, dtype=jnp.int32)
+        if not self.cfg.anchor_feature:
+            return emb
+        if last_feature is None:
+            raise ValueError("anchor_feature needs the last context feature H_ctx[n-1]")
+        return emb + jnp.einsum("...D,DE->...E", last_feature.astype(emb.dtype), self.anchor_fc[...])
 
     def block_output(self, x: jax.Array) -> jax.Array:
         """Last layer's output [B, n_in, D] → h [B, L, D] (final-normed; dflash drops the anchor slot)."""

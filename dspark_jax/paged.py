@@ -30,19 +30,24 @@ from dspark_jax.model import Decoder
 
 @struct.dataclass
 class PagedKV:
-    """k, v: tuples over layers of [P, K, page_size, H]."""
+    """k, v: tuples over layers of [P, K, page_size, H]; feat: the drafter's context entries H_ctx
+    [P, 1, page_size, D] when its anchor slot reads H_ctx[n−1] (`anchor_feature`), else None."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    feat: jax.Array | None = None
 
     @classmethod
     def init(cls, *, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
-             dtype=jnp.float32, sharding=None) -> PagedKV:
+             dtype=jnp.float32, sharding=None, feature_dim: int = 0, feature_sharding=None) -> PagedKV:
         """Zero pools; with `sharding` (dspark_jax/sharding.py's `paged_sharding`) each device allocates only
-        its own shard, so a pool larger than one device's memory can be built on a mesh."""
+        its own shard, so a pool larger than one device's memory can be built on a mesh. `feature_dim` > 0 adds
+        the pool of context entries (`feat`), placed by `feature_sharding`."""
         shape = (num_pages, num_kv_heads, page_size, head_dim)
+        feat = (jnp.zeros((num_pages, 1, page_size, feature_dim), dtype, device=feature_sharding)
+                if feature_dim else None)
         return cls(k=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)))
+                   v=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)), feat=feat)
 
     @property
     def num_pages(self) -> int:
@@ -258,7 +263,15 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
         k, v = layer.context_kv(h, pos[None], inv_freq)
         ks.append(write_pages(kv.k[i], k[0], page, off))
         vs.append(write_pages(kv.v[i], v[0], page, off))
-    return PagedKV(k=tuple(ks), v=tuple(vs))
+    feat = write_pages(kv.feat, h[0][:, None], page, off) if model.cfg.anchor_feature else kv.feat
+    return PagedKV(k=tuple(ks), v=tuple(vs), feat=feat)
+
+
+def last_context_entry(kv: PagedKV, block_tables, lengths) -> jax.Array:
+    """H_ctx[n−1] of each row [B, D] from the entry pool (rows with no context read a harmless entry)."""
+    pos = jnp.maximum(lengths - 1, 0)
+    page = block_tables[jnp.arange(lengths.shape[0]), pos // kv.page_size]
+    return kv.feat[page, 0, pos % kv.page_size]
 
 
 def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tables, lengths, anchor, *,
@@ -269,7 +282,8 @@ def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tab
     block_tables[b]'s pages. Each block query attends to the whole context (online softmax over used pages
     only) and bidirectionally to the block. Returns h [B, L, D].
     """
-    x, positions = model.block_inputs(head, anchor, lengths)
+    last = last_context_entry(kv, block_tables, lengths) if model.cfg.anchor_feature else None
+    x, positions = model.block_inputs(head, anchor, lengths, last)
     B, n_in = positions.shape
     angles = rope_angles(positions, rope_inv_freq(model.cfg.rope, model.cfg.head_dim), x.dtype)
     block_mask = jnp.ones((B, n_in, n_in), bool)
@@ -285,5 +299,5 @@ def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tab
 
 
 __all__ = ["PagedKV", "batched_ragged_attention", "drafter_block_hidden_paged", "drafter_write_flat",
-           "finish_attention", "merge_block_keys", "page_slots", "paged_attention_partial", "target_forward_flat",
+           "finish_attention", "last_context_entry", "merge_block_keys", "page_slots", "paged_attention_partial", "target_forward_flat",
            "write_pages"]

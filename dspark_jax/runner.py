@@ -345,6 +345,9 @@ class ModelRunner:
             self.dkv = PagedKV.init(num_layers=dc.num_layers, num_pages=num_pages, num_kv_heads=dc.num_kv_heads,
                                     page_size=page_size, head_dim=dc.head_dim, dtype=target.dtype,
                                     sharding=paged_sharding(mesh, dc.num_kv_heads) if mesh is not None
+                                    else self._placement,
+                                    feature_dim=dc.hidden_size if dc.anchor_feature else 0,
+                                    feature_sharding=paged_sharding(mesh, 1) if mesh is not None
                                     else self._placement)
         if mesh is not None:
             from dspark_jax.sharding import shard_params

@@ -88,7 +88,9 @@ def spec_step(tgraph, tparams, dgraph, dparams, tcache, dcache, anchor, keys, rn
                                        last_feature=fused[rows, m])
     else:
         positions = n[:, None] + jnp.arange(L + 1, dtype=jnp.int32)
-        dcache = drafter.write_context(dcache, head, feats, positions, n + m + 1)
+        last = drafter.project_features(feats[rows, m][:, None])[:, 0] if dcfg.anchor_feature else None
+        dcache = drafter.write_context(dcache, head, feats, positions, n + m + 1,
+                                       last_feature=None if last is None else last.astype(dcache.last_feature.dtype))
     next_anchor = res.emitted_tokens[rows, m]
     return tcache, dcache, next_anchor, res.emitted_tokens, res.num_emitted, lengths, m, conf
 

@@ -380,6 +380,9 @@ def test_exports_deepspec_cannot_express_are_refused(target, tmp_path):
         _randomised(target, kind="eagle3").save(str(tmp_path), format="deepspec", target=target)
     with pytest.raises(ValueError, match="needs mask_token_id"):
         _randomised(target, kind="dspark").save(str(tmp_path), format="deepspec", target=target)
+    with pytest.raises(ValueError, match="no anchor_feature"):
+        _randomised(target, kind="dspark", anchor_feature=True).save(str(tmp_path), format="deepspec", target=target,
+                                                                     mask_token_id=MASK)
     with pytest.raises(ValueError, match="needs target="):
         _randomised(target, kind="dspark").save(str(tmp_path), format="deepspec")
     assert deepspec.is_checkpoint(str(tmp_path)) is False

@@ -194,12 +194,14 @@ def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
         engine.stop()
 
 
-def test_engine_drafts_what_generate_drafts(tiny, monkeypatch):
+@pytest.mark.parametrize("anchor_feature", [False, True])
+def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, anchor_feature):
     """Drafting checked directly, not through outputs (verification would correct any draft): every request's
     round r drafts the same tokens from the same committed length n with the same confidences and draft
     probabilities in the engine (2 slots for 5 requests: continuous batching, rows compacted, pages reused,
     rounds chained on device) as in `generate` (one batch, its own pages). The drafter's Markov and confidence
-    heads carry noise so the confidences depend on the context."""
+    heads carry noise so the confidences depend on the context. With `anchor_feature` the anchor slot also
+    reads H_ctx[n−1]: from the engine's paged entry pool, and from `generate`'s drafter cache."""
     import jax
     from flax import nnx
 
@@ -207,11 +209,15 @@ def test_engine_drafts_what_generate_drafts(tiny, monkeypatch):
     from dspark_jax.runner import ModelRunner
 
     target, base, prompts, _ = tiny
+    if anchor_feature:
+        base = _drafter(target, "dspark", 4, seed=3, num_layers=1, markov_rank=8, anchor_feature=True)
     prompts = prompts[:5]
     pure = nnx.to_pure_dict(base.params)
     key = jax.random.key(11)
-    for i, name in enumerate(("markov_w1", "markov_w2", "conf_w")):
-        pure[name] = pure[name] + 0.3 * jax.random.normal(jax.random.fold_in(key, i), pure[name].shape)
+    names = ("markov_w1", "markov_w2", "conf_w") + (("anchor_fc",) if anchor_feature else ())
+    for i, name in enumerate(names):
+        scale = 0.02 if name == "anchor_fc" else 0.3  # small: drafts must still get accepted
+        pure[name] = pure[name] + scale * jax.random.normal(jax.random.fold_in(key, i), pure[name].shape)
     params = jax.tree.map(lambda x: x, base.params)
     nnx.replace_by_pure_dict(params, pure)
     drafter = base.with_params(params)

@@ -49,3 +49,46 @@ def test_poisoned_positions_beyond_the_context_cannot_leak():
     kp2[unused], vp2[unused] = np.nan, np.nan
     out = batched_ragged_attention(q, jnp.asarray(kp2), jnp.asarray(vp2), bt, ctx, qs, max_q_len=3, chunk_tokens=16)
     np.testing.assert_allclose(out, clean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("anchor_feature", [False, True])
+def test_paged_block_pass_equals_the_dense_one(tmp_path, anchor_feature):
+    """The engine's drafting pass over pages (context written flat into shuffled pages, then
+    `drafter_block_hidden_paged`) equals `DrafterModel.block_hidden` over the prompt's dense cache (the path
+    tests/test_train_anchors.py ties to training), rows of different lengths; with `anchor_feature` the anchor
+    slot reads H_ctx[n−1] from the entry pool, so an off-by-one there fails."""
+    import jax
+    from conftest import make_hf_model, target_from_hf
+    from flax import nnx
+
+    import dspark_jax
+    from dspark_jax.drafter_model import TargetHead
+    from dspark_jax.paged import PagedKV, drafter_block_hidden_paged, drafter_write_flat
+
+    target = target_from_hf(make_hf_model("llama", tied=True), tmp_path)
+    d = dspark_jax.init_drafter(target, kind="dspark", block_size=4, num_layers=2, seed=1, markov_rank=8,
+                                anchor_feature=anchor_feature)
+    flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(d.params))
+    key = jax.random.key(5)
+    for i, (k, v) in enumerate(sorted(flat.items())):
+        flat[k] = v + 0.05 * jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype)
+    nnx.replace_by_pure_dict(d.params, nnx.traversals.unflatten_mapping(flat))
+    model, head, cfg = d.module(), TargetHead.from_params(target.params, True), d.config
+    rng = np.random.default_rng(0)
+    B, T, ps, M = 3, 30, 4, 8
+    tokens = jnp.asarray(rng.integers(3, 128, size=(B, T)), jnp.int32)
+    n = jnp.asarray([29, 7, 16], jnp.int32)  # committed lengths; the anchor sits at position n
+    _, _, feats = target.forward(tokens, target.init_cache(B, T), hidden_layers=cfg.target_layers,
+                                 compute_logits=False)
+    dense = model.block_hidden(head, model.write_prompt(model.init_cache(B, T), head, tokens, feats, n),
+                               tokens[jnp.arange(B), n], n)
+    P = B * M + 2
+    tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
+    kv = PagedKV.init(num_layers=cfg.num_layers, num_pages=P, num_kv_heads=cfg.num_kv_heads, page_size=ps,
+                      head_dim=cfg.head_dim, feature_dim=cfg.hidden_size if anchor_feature else 0)
+    slot = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
+    pos = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
+    kv = drafter_write_flat(model, kv, feats.reshape(B * T, -1), slot, pos, pos < n[slot], tables)
+    paged = drafter_block_hidden_paged(model, head, kv, tables, n, tokens[jnp.arange(B), n])
+    np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), atol=2e-5)
+    assert (kv.feat is not None) == anchor_feature

@@ -37,7 +37,9 @@ def _feats(target, tokens, layers):
 
 
 def _drafter(target, kind, L=4):
-    extra = dict(markov_rank=8) if kind == "dspark" else {}
+    extra = dict(markov_rank=8) if kind.startswith("dspark") else {}
+    if kind.endswith("+anchor_feature"):  # H_ctx[n−1] joins the anchor slot's input
+        kind, extra["anchor_feature"] = kind.split("+")[0], True
     d = dspark_jax.init_drafter(target, kind=kind, block_size=L, num_layers=2, seed=1, **extra)
     # Perturb every parameter (W2 and the confidence head start at zero) so nothing is trivially equal.
     leaves, tree = jax.tree.flatten(d.params)
@@ -46,7 +48,7 @@ def _drafter(target, kind, L=4):
                                                    for x, k in zip(leaves, keys, strict=True)]))
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "dflash_anchor_predicts"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "dflash_anchor_predicts", "dspark+anchor_feature"])
 def test_packed_blocks_equal_the_per_anchor_layout(tiny, kind):
     if kind == "dflash_anchor_predicts":  # DFlash in DeepSpec's form: anchor + L−1 masks, the anchor slot predicts
         d = dspark_jax.init_drafter(tiny, kind="dflash", block_size=4, num_layers=2, seed=1, anchor_predicts=True)
@@ -61,15 +63,21 @@ def test_packed_blocks_equal_the_per_anchor_layout(tiny, kind):
     flat = anchors.reshape(-1)
     ref = model.block_hidden(head, cache, jnp.take_along_axis(tokens, anchors, 1).reshape(-1), flat)
     np.testing.assert_allclose(np.asarray(packed), np.asarray(ref), atol=2e-5)
+    # Inference's own cache (the prompt's prefill, committed = the anchor) drafts the first anchor's block alike.
+    n = anchors[:, 0]
+    served = model.write_prompt(model.init_cache(*tokens.shape), head, tokens, feats, n)
+    own = model.block_hidden(head, served, jnp.take_along_axis(tokens, n[:, None], 1)[:, 0], n)
+    np.testing.assert_allclose(np.asarray(packed.reshape(anchors.shape + packed.shape[1:])[:, 0]), np.asarray(own),
+                               atol=2e-5)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "dspark+anchor_feature"])
 def test_packed_loss_and_gradients_equal_the_reference(tiny, kind):
     d = _drafter(tiny, kind)
     head = TargetHead.from_params(tiny.params, True)
     tokens, lengths, anchors = _batch(tiny, seed=1)
     hidden, feats = _feats(tiny, tokens, d.config.target_layers)
-    w = LossWeights.for_kind(kind) if kind != "dflash" else LossWeights(ce=0.5, tv=0.5, conf=0.0)
+    w = LossWeights.for_kind(d.config.kind) if kind != "dflash" else LossWeights(ce=0.5, tv=0.5, conf=0.0)
 
     def loss(params, packed):
         from flax import nnx

@@ -101,8 +101,10 @@ def context_cache(model: DrafterModel, head: TargetHead, tokens, feats, anchors)
         last = model.project_features(_gather_time(rep(feats), (n - 1)[:, None]))[:, 0]
         return DrafterCache(k=tuple(map(rep, full.k)), v=tuple(map(rep, full.v)), lengths=n - 1,
                             last_feature=last.astype(full.last_feature.dtype))
-    return DrafterCache(k=tuple(map(rep, full.k)), v=tuple(map(rep, full.v)), lengths=n,
-                        last_feature=rep(full.last_feature))
+    last = rep(full.last_feature)
+    if model.cfg.anchor_feature:  # H_ctx[n−1] of each anchor
+        last = model.project_features(_gather_time(rep(feats), (n - 1)[:, None]))[:, 0].astype(last.dtype)
+    return DrafterCache(k=tuple(map(rep, full.k)), v=tuple(map(rep, full.v)), lengths=n, last_feature=last)
 
 
 def anchor_slot_predicts(cfg: DrafterConfig) -> bool:
@@ -154,11 +156,9 @@ def packed_block_hidden(model: DrafterModel, head: TargetHead, tokens, feats, an
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     h_ctx = model.project_features(feats)  # [S, T, D], eq. 2
     ctx_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (S, T))
-    mask_vec = model.mask_embed[...]
-    emb = jnp.take(head.embed, jnp.take_along_axis(tokens, anchors, axis=1), axis=0).astype(mask_vec.dtype)
-    x = jnp.concatenate([emb[:, :, None], jnp.broadcast_to(mask_vec, (S, A, n_in - 1, mask_vec.shape[-1]))], 2)
-    x = x.reshape(S, A * n_in, -1)
-    pos = (anchors[:, :, None] + jnp.arange(n_in, dtype=jnp.int32)).reshape(S, A * n_in)
+    last = _gather_time(h_ctx, anchors - 1) if cfg.anchor_feature else None  # H_ctx[n−1] [S, A, D]
+    x, pos = model.block_inputs(head, jnp.take_along_axis(tokens, anchors, axis=1), anchors, last)
+    x, pos = x.reshape(S, A * n_in, -1), pos.reshape(S, A * n_in)
     ctx_mask = jnp.arange(T)[None, None, :] < jnp.repeat(anchors, n_in, axis=1)[:, :, None]  # [S, A·n_in, T]
     for layer in model.layers:
         ck, cv = layer.context_kv(h_ctx, ctx_pos, inv_freq)  # [S, T, K, H] (eq. 3), once per sequence
