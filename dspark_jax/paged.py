@@ -299,5 +299,5 @@ def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tab
 
 
 __all__ = ["PagedKV", "batched_ragged_attention", "drafter_block_hidden_paged", "drafter_write_flat",
-           "finish_attention", "last_context_entry", "merge_block_keys", "page_slots", "paged_attention_partial", "target_forward_flat",
-           "write_pages"]
+           "finish_attention", "last_context_entry", "merge_block_keys", "page_slots", "paged_attention_partial",
+           "target_forward_flat", "write_pages"]
