@@ -78,7 +78,7 @@ def _chunk_positions(page_size: int, chunk_tokens: int) -> int:
 
 
 def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_pos=None, *,
-                            chunk_tokens: int = 128):
+                            chunk_tokens: int = 128, num_queries=None, query_groups: int = 8):
     """Online-softmax attention of dense query blocks over each request's *used* pages (the CPU path).
 
     A `lax.while_loop` walks the page tables in chunks of `chunk_tokens` positions up to the longest context
@@ -100,6 +100,13 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
         q_pos: int32 [R, Q] absolute query positions for a causal mask (key pos ≤ query pos), or None
             (every existing key visible: the drafter's context).
         chunk_tokens: positions gathered per iteration.
+        num_queries: int32 scalar (traced): only queries 0..num_queries−1 of each request are needed, or None
+            (all Q). The Q queries are split into `query_groups` groups of ⌈Q/groups⌉ and, inside each chunk
+            of gathered pages, a loop runs over the groups that hold a needed query only, so the scores and
+            softmax work (most of the cost here) follow the longest real block of the pass, not the static Q:
+            a verification pass whose rows draft ℓ ≤ 1 costs two queries per row, not L + 1. The pages are
+            gathered once per chunk either way. Queries past num_queries get no key (zeros out of
+            `finish_attention`).
 
     Returns:
         (acc [R, K, Q·G, H] f32 unnormalised, running max m [R, K, Q·G], denominator l [R, K, Q·G]) with query
@@ -117,6 +124,24 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
     qpos = None if q_pos is None else jnp.repeat(q_pos, G, axis=1)  # [R, Q·G]
     num_chunks = (jnp.max(context_lens) + S - 1) // S
 
+    groups = 1 if num_queries is None else max(1, min(query_groups, Q))
+    QB = -(-Q // groups)  # queries per group; Q is padded to groups · QB
+    Qp = groups * QB
+    if Qp > Q:
+        qm = jnp.pad(qm.reshape(R, K, Q, G, H), ((0, 0), (0, 0), (0, Qp - Q), (0, 0), (0, 0))).reshape(R, K, Qp * G, H)
+        qpos = None if qpos is None else jnp.pad(qpos, ((0, 0), (0, (Qp - Q) * G)), constant_values=-1)
+
+    def scores_update(state, qg, qposg, exists, kpos, k, v):
+        """One group's queries qg [R, K, m, H] against one chunk of keys: the online-softmax step."""
+        m = qg.shape[2]
+        s = jnp.einsum("RKMH,RCKPH->RKMCP", qg, k, precision=_HIGHEST).reshape(R, K, m, S)
+        visible = exists[:, None, :]  # [R, 1 | m, S]; a key that does not exist stays hidden whatever it holds
+        if qposg is not None:
+            visible = visible & (kpos[None, None, :] <= qposg[:, :, None])
+        s = jnp.where(visible[:, None], s, -jnp.inf)
+        return _online_update(state, s, lambda p: jnp.einsum("RKMCP,RCKPH->RKMH", p.reshape(R, K, m, cp, ps),
+                                                             v, precision=_HIGHEST))
+
     def body(c, state):
         idx = jnp.clip(c * cp + jnp.arange(cp), 0, M - 1)
         pages = jnp.clip(block_tables[:, idx], 0, P - 1)  # [R, cp]
@@ -124,17 +149,26 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
         exists = kpos[None] < context_lens[:, None]  # [R, S]
         k = k_pages[pages].astype(jnp.float32)  # [R, cp, K, ps, H]
         v = jnp.where(exists.reshape(R, cp, 1, ps, 1), v_pages[pages].astype(jnp.float32), 0.0)
-        s = jnp.einsum("RKMH,RCKPH->RKMCP", qm, k, precision=_HIGHEST).reshape(R, K, Q * G, S)
-        visible = exists[:, None, :]  # [R, 1 | Q·G, S]; a key that does not exist stays hidden whatever it holds
-        if qpos is not None:
-            visible = visible & (kpos[None, None, :] <= qpos[:, :, None])
-        s = jnp.where(visible[:, None], s, -jnp.inf)
-        return _online_update(state, s, lambda p: jnp.einsum("RKMCP,RCKPH->RKMH", p.reshape(R, K, Q * G, cp, ps),
-                                                             v, precision=_HIGHEST))
+        if groups == 1:
+            return scores_update(state, qm, qpos, exists, kpos, k, v)
 
-    init = (jnp.zeros((R, K, Q * G, H), jnp.float32), jnp.full((R, K, Q * G), -jnp.inf, jnp.float32),
-            jnp.zeros((R, K, Q * G), jnp.float32))
-    return jax.lax.fori_loop(0, num_chunks, body, init)
+        def group(g, state):  # rows g·QB·G .. (g+1)·QB·G − 1 of the query-major layout are group g's queries
+            at, size = g * QB * G, QB * G
+
+            def cut(x):
+                return jax.lax.dynamic_slice_in_dim(x, at, size, axis=2)
+
+            qposg = None if qpos is None else jax.lax.dynamic_slice_in_dim(qpos, at, size, axis=1)
+            new = scores_update(tuple(cut(x) for x in state), cut(qm), qposg, exists, kpos, k, v)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(x, n, at, axis=2)
+                         for x, n in zip(state, new, strict=True))
+
+        return jax.lax.fori_loop(0, (jnp.minimum(num_queries, Q) + QB - 1) // QB, group, state)
+
+    init = (jnp.zeros((R, K, Qp * G, H), jnp.float32), jnp.full((R, K, Qp * G), -jnp.inf, jnp.float32),
+            jnp.zeros((R, K, Qp * G), jnp.float32))
+    state = jax.lax.fori_loop(0, num_chunks, body, init)
+    return state if Qp == Q else tuple(x[:, :, : Q * G] for x in state)
 
 
 def _query_rows(q, K: int):
@@ -186,7 +220,8 @@ def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, qu
     q [T, N, H], pages [P, K, page_size, H], block_tables [R, M], context_lens [R], query_start [R+1] → [T, N, H].
 
     Each request's ≤ max_q_len queries are gathered into a dense [R, Q, N, H] block; attention then walks only
-    the pages in use (`paged_attention_partial`), causally by absolute position.
+    the pages in use (`paged_attention_partial`), causally by absolute position, and computes only the query
+    groups up to the pass's longest real block (max_q_len is the static bound, not the cost).
     """
     T, N, H = q.shape
     Q = max_q_len
@@ -198,7 +233,7 @@ def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, qu
     qr = q[jnp.clip(rows, 0, T - 1)]  # [R, Q, N, H]
     pos = (context_lens - q_len)[:, None] + i  # absolute position of each query [R, Q]
     state = paged_attention_partial(qr, k_pages, v_pages, block_tables, context_lens, pos,
-                                    chunk_tokens=chunk_tokens)
+                                    chunk_tokens=chunk_tokens, num_queries=jnp.max(q_len))
     o = finish_attention(state, jnp.float32, Q)
     o = jnp.where(valid[:, :, None, None], o, 0.0).reshape(-1, N, H)
     dest = jnp.where(valid, rows, T).reshape(-1)  # T = dropped

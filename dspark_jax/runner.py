@@ -445,6 +445,12 @@ class ModelRunner:
         plain = isinstance(drafts, str) and drafts == "skip"
         if plain:  # a plain step: no draft pass, ℓ = 0 for every row
             drafts = self._no_drafts(Bb)  # (the drafter's context is still written for the new token)
+        # A top-K budget of 0 (the dspark scheduler's probe: a draft pass for fresh confidences, no draft token
+        # verified) runs the plain step's program too, one query per row: the same tokens and the same draw as
+        # ℓ = 0 in a verification pass, at a plain step's price plus the draft pass, where a verification pass
+        # would read L + 1 query rows per request. (Its shapes are the plain steps', compiled with `plain`.)
+        plain_pass = bool(self.L) and (plain or budget == 0)
+        if plain_pass:
             lengths, budget, policy = np.zeros(Bb, np.int32), None, None
         if self.drafter is not None and drafts is None:
             drafts = self._draft(dev)
@@ -452,7 +458,7 @@ class ModelRunner:
             drafts = self._put((np.zeros((Bb, 0), np.int32), np.zeros((Bb, 0, 1), np.float32),
                                 np.zeros((Bb, 0), np.float32)))
         draft, q, conf = drafts
-        mode = ("plain" if plain and self.L else "topk" if budget is not None else "policy" if policy is not None
+        mode = ("plain" if plain_pass else "topk" if budget is not None else "policy" if policy is not None
                 else "lengths")
         arg = self._put(np.int32(budget if budget is not None else 0) if lengths is None
                         else np.asarray(lengths, np.int32))
@@ -545,8 +551,8 @@ class ModelRunner:
                 _, bb, cap, mode = job
                 b = self.empty_batch(bb)
                 b.rows = 0
-                if mode == "topk":
-                    self.step(b, capacity=cap, budget=0)
+                if mode == "topk":  # (a budget of 0 would run the plain program: `dispatch`)
+                    self.step(b, capacity=cap, budget=1)
                 elif mode == "plain":
                     self.step(b, capacity=cap, drafts="skip")
                 else:

@@ -12,8 +12,11 @@ from pallas_kernels.ragged_verify_attention import ragged_verify_attention_refer
 
 
 @pytest.mark.parametrize("q_lens,ctx_extra,Q", [([3, 0, 8, 1], [5, 0, 17, 40], 8), ([32], [0], 32),
-                                                 ([1, 1, 1], [0, 9, 63], 1)])
+                                                 ([1, 1, 1], [0, 9, 63], 1), ([2, 0, 1, 2], [5, 0, 17, 40], 8),
+                                                 ([5, 1], [3, 20], 7), ([0, 0], [4, 0], 8)])
 def test_batched_path_equals_the_reference(q_lens, ctx_extra, Q):
+    """Blocks shorter than the static bound Q run only the query groups they need (Q = 8: groups of 2; Q = 7:
+    groups of 2 over a padded 8), so these cases fail if a needed group were skipped."""
     rng = np.random.default_rng(0)
     R, N, K, H, ps, M = len(q_lens), 6, 2, 16, 8, 9
     P = R * M + 3
