@@ -63,7 +63,7 @@ def _count_compile(event: str, duration_secs: float, **kw) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
 PROGRAMS = ("jit(prefill_program)", "jit(draft_program)", "jit(verify_program)", "jit(advance)")
 NUM_TOP_LOGPROBS = 20  # top alternatives computed when any request of a pass asks for logprobs
-PROFILE_BLOCKS = 2  # profiling: runs of chained steps per shape, the fastest counts (`_steps_per_second`)
+PROFILE_BLOCKS = 2  # profiling: interleaved rounds of chained steps per shape, the fastest counts (`_profile_shapes`)
 
 
 def pow2_buckets(top: int, start: int = 1) -> tuple[int, ...]:
@@ -560,49 +560,47 @@ class ModelRunner:
             if progress is not None:
                 progress(i + 1, len(jobs))
 
-    def _steps_per_second(self, b: StepBatch, repeats: int, blocks: int = PROFILE_BLOCKS, **dispatch) -> float:
-        """Steps/s of one step shape as the engine runs it: one untimed step, then `blocks` runs of `repeats`
-        steps dispatched back to back (each behind the last, as the engine chains its rounds), each run waited
-        for once at its end; the fastest run counts. Timing each step alone would add the host's upload,
+    def _timed_run(self, b: StepBatch, repeats: int, **dispatch) -> float:
+        """Steps/s of `repeats` steps of one shape dispatched back to back (each behind the last, as the engine
+        chains its rounds), waited for once at the end. Timing each step alone would add the host's upload,
         dispatch and read-back to every step, which a pipelined engine hides behind the step in flight: a
         constant that squeezes the ratios between shapes (a 1-token plain step priced at 0.73 of its served
-        speed, a 2-token one at 1.1, in session 11's run) and so makes speculation look cheaper than it is.
-        The fastest of several runs, because noise (a collection, another process) only ever slows a run, and
-        one slow run of a cheap shape is enough to flip the plain-or-draft choice (session 11 priced a plain
-        step below the full step it is a part of). Session 12's bench ran with 3 blocks; the default is 2 to keep
-        start-up (≈ 90 shapes for a dspark engine) short."""
+        speed, a 2-token one at 1.1, in session 11's run) and so makes speculation look cheaper than it is."""
         dev = self.device_batch(b)
-        jax.block_until_ready(self.dispatch(dev, **dispatch).emitted)
-        best = 0.0
+        t0 = _now()
+        for _ in range(repeats):
+            out = self.dispatch(dev, **dispatch)
+        jax.block_until_ready(out.emitted)
+        return repeats / (_now() - t0)
+
+    def _profile_shapes(self, shapes: dict, repeats: int, blocks: int = PROFILE_BLOCKS) -> dict:
+        """Steps/s of several step shapes ({key: (batch, dispatch kwargs)}), measured *interleaved*: one
+        untimed step of each, then `blocks` rounds in which every shape runs `repeats` chained steps in turn;
+        each shape keeps its fastest run. The machine's speed drifts by tens of percent over seconds here (a
+        shared host), and the scheduler reads ratios (a plain step against the full steps of its batch
+        bucket): measured apart, a slow spell under one side mispriced them (session 16: a plain step priced at
+        1.16× a 4-token full step where, interleaved, it is 1.4×, so one request speculated on drafts that do
+        not pay). The fastest run, because noise only ever slows a run."""
+        for b, kw in shapes.values():
+            jax.block_until_ready(self.dispatch(self.device_batch(b), **kw).emitted)
+        best = dict.fromkeys(shapes, 0.0)
         for _ in range(max(1, blocks)):
-            t0 = _now()
-            for _ in range(repeats):
-                out = self.dispatch(dev, **dispatch)
-            jax.block_until_ready(out.emitted)
-            best = max(best, repeats / (_now() - t0))
+            for key, (b, kw) in shapes.items():
+                best[key] = max(best[key], self._timed_run(b, repeats, **kw))
         return best
 
-    def profile_plain(self, context: int = 256, repeats: int = 3) -> dict[int, float]:
-        """Steps per second of a plain step (no draft pass, one token per row) per batch bucket, all rows
-        active at `context` committed tokens, chained as served (`_steps_per_second`)."""
-        context = max(0, min(context, self.max_pages * self.page_size - self.L - 2))
-        table = {}
-        for bb, cap in self.plain_shapes():
-            b = self.empty_batch(bb)
-            b.lengths[:bb] = context
-            table[bb] = self._steps_per_second(b, repeats, capacity=cap, drafts="skip")
-        return table
-
     def profile(self, mode: str, context: int = 256, repeats: int = 3, max_draft: int | None = None,
-                progress=None) -> dict[tuple[int, int], float]:
+                progress=None, plain: bool = False, blocks: int = PROFILE_BLOCKS) -> tuple[dict, dict]:
         """Steps per second of a full step (draft + verify) at every (batch bucket, capacity) shape, with real
         work: R = the bucket's rows active at `context` committed tokens, ℓ spread so the pass holds
-        `capacity` tokens; `repeats` steps chained as served after one untimed step (`_steps_per_second`).
-        Writes go to dropped pages."""
-        table = {}
+        `capacity` tokens → {(batch bucket, capacity): steps/s}; with `plain` also the plain step (no draft
+        pass, one token per row) of every batch bucket → {bucket: steps/s} (else empty). Each batch bucket's
+        shapes, its plain step among them, are timed interleaved (`_profile_shapes`). Writes go to dropped
+        pages."""
         context = max(0, min(context, self.max_pages * self.page_size - self.L - 2))
-        shapes = self.verify_shapes(max_draft)
-        for i, (bb, cap) in enumerate(shapes):
+        table, plain_table = {}, {}
+        by_bucket: dict[int, dict] = {}
+        for bb, cap in self.verify_shapes(max_draft):
             rows = min(bb, cap)
             b = self.empty_batch(rows)
             b.lengths[:rows] = context
@@ -611,10 +609,23 @@ class ModelRunner:
             for r in range(rows):  # spread the draft tokens over the rows, at most L each
                 lens[r] = min(self.L, extra // rows + (1 if r < extra % rows else 0))
             how = {"budget": int(lens.sum())} if mode == "topk" else {"lengths": lens}
-            table[(bb, cap)] = self._steps_per_second(b, repeats, capacity=cap, **how)
+            by_bucket.setdefault(bb, {})[bb, cap] = (b, dict(capacity=cap, **how))
+        if plain and self.L:
+            for bb, cap in self.plain_shapes():
+                b = self.empty_batch(bb)
+                b.lengths[:bb] = context
+                by_bucket.setdefault(bb, {})["plain", bb] = (b, dict(capacity=cap, drafts="skip"))
+        done, total = 0, sum(len(v) for v in by_bucket.values())
+        for bb in sorted(by_bucket):
+            for key, v in self._profile_shapes(by_bucket[bb], repeats, blocks).items():
+                if key[0] == "plain":
+                    plain_table[bb] = v
+                else:
+                    table[key] = v
+            done += len(by_bucket[bb])
             if progress is not None:
-                progress(i + 1, len(shapes))
-        return table
+                progress(done, total)
+        return table, plain_table
 
 
 def _now() -> float:

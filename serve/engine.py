@@ -733,17 +733,14 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
         if not sps.covers(runner.verify_shapes(max_draft)):
             raise ValueError(f"SPS table {sps_table} does not cover this engine's shapes; profile again")
     elif profile:
-        entries = {}
+        entries, plain = {}, {}
         update, close = _bar(progress, "profiling")
         for i, ctx in enumerate(PROFILE_CONTEXTS):
             prog = None if update is None else (lambda d, t, i=i: update(i * t + d, t * len(PROFILE_CONTEXTS)))
-            for (bb, cap), v in runner.profile(mode, context=ctx, max_draft=max_draft, progress=prog).items():
-                entries[bb, cap, ctx] = v
-        plain = {}
-        if spec.kind == "dspark":
-            for ctx in PROFILE_CONTEXTS:
-                for bb, v in runner.profile_plain(context=ctx).items():
-                    plain[bb, ctx] = v
+            full, plain_steps = runner.profile(mode, context=ctx, max_draft=max_draft, progress=prog,
+                                               plain=spec.kind == "dspark")
+            entries.update({(bb, cap, ctx): v for (bb, cap), v in full.items()})
+            plain.update({(bb, ctx): v for bb, v in plain_steps.items()})
         close()
         sps = SpsTable(entries, plain).smoothed()
     if sps is not None and sps_out:
