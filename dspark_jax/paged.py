@@ -78,7 +78,7 @@ def _chunk_positions(page_size: int, chunk_tokens: int) -> int:
 
 
 def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_pos=None, *,
-                            chunk_tokens: int = 128, num_queries=None, query_groups: int = 8):
+                            chunk_tokens: int = 128, num_queries=None, query_groups: int = 4):
     """Online-softmax attention of dense query blocks over each request's *used* pages (the CPU path).
 
     A `lax.while_loop` walks the page tables in chunks of `chunk_tokens` positions up to the longest context
