@@ -32,7 +32,15 @@ from dspark_jax.keys import request_key_data
 from dspark_jax.scheduling import survival_host
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
-from serve.scheduler import SchedulerSpec, SpsTable, dspark_capacity, host_lengths, pick_bucket, warm_scheduler
+from serve.scheduler import (
+    GainCalibration,
+    SchedulerSpec,
+    SpsTable,
+    dspark_capacity,
+    host_lengths,
+    pick_bucket,
+    warm_scheduler,
+)
 from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, TokenLogprob
 
 log = logging.getLogger("dspark_jax.serve")
@@ -48,6 +56,7 @@ class _Plan:
     budget: int | None
     drafts: object
     want_confidence: bool
+    predicted: float | None = None  # dspark, a step chosen on its merits: Σ top-K stale survival (unscaled)
 
 
 @dataclasses.dataclass
@@ -122,6 +131,7 @@ class EngineCore:
         self._plain_run = 0  # consecutive plain steps (dspark)
         self._probe_gap = PROBE_EVERY  # plain steps before the next probe (dspark; doubles while drafts do not pay)
         self._probed = False  # the last step was a probe
+        self._calibration = GainCalibration()  # dspark: realized / predicted gain of its speculative steps
         self._pipelined = hasattr(runner, "dispatch")  # the test mock runs every round synchronously
         self._inflight: _Round | None = None  # a dispatched round not yet read back
         self._stepping = False
@@ -375,13 +385,16 @@ class EngineCore:
         """The scheduler's choice for a round of R rows at the batch's longest `context`."""
         sps = self._sps_tokens(Bb, context)
         if self.spec.kind == "dspark":
-            stale = self._stale_confidence(self.running, Bb)
+            self._calibration.tick()
+            raw = self._stale_confidence(self.running, Bb)
+            stale = None if raw is None else self._calibration.apply(raw)  # priced by what drafts deliver
             budget = min(dspark_capacity(stale, active, self.L, sps), self.capacities[-1] - R)
             if self._plain_pays(stale, R, budget, sps, self.sps.plain_at(Bb, context)):
                 return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
             if self._probed:  # a probe is for its draft pass (fresh confidences): it verifies no draft token, as
                 budget = 0  # the cost model has just priced verifying them below a plain step
-            return _Plan(pick_bucket(R + budget, self.capacities), None, budget, None, True)
+            predicted = None if raw is None or budget == 0 else _top_gain(raw[:R], budget)
+            return _Plan(pick_bucket(R + budget, self.capacities), None, budget, None, True, predicted)
         lengths = host_lengths(self.spec, conf, active, self.L, sps)
         return _Plan(pick_bucket(int(R + lengths.sum()), self.capacities), lengths, None, None, False)
 
@@ -417,6 +430,8 @@ class EngineCore:
                                     want_logprobs=rnd.want_logprobs)
         running, R = rnd.running, rnd.R
         live = np.array([not r.done for r in running])
+        if rnd.plan.predicted is not None:
+            self._calibration.observe(rnd.plan.predicted, int(res.num_accepted[:R].sum()))
         if res.confidence is not None:
             self._conf_history.append((rnd.index, {r.rid: res.confidence[i] for i, r in enumerate(running)}))
         self.stats["verify_tokens_total"] += int(R + res.lengths[:R].sum())
@@ -461,8 +476,7 @@ class EngineCore:
         if self._plain_run >= self._probe_gap:
             self._plain_run, self._probed = 0, True
             return False
-        a = survival_host(stale[:R], np.float64).ravel()
-        gain = float(np.sort(a)[::-1][:K].sum()) if K > 0 else 0.0
+        gain = _top_gain(stale[:R], K)
         theta_spec = (R + gain) * float(sps[min(R + K, len(sps) - 1)])
         plain = R * plain_sps >= theta_spec  # a tie (e.g. K = 0: a draft pass for nothing) takes the plain step
         if not plain:
@@ -537,10 +551,19 @@ class EngineCore:
             "tokens_per_step": s["emitted_total"] / rows,
             "acceptance_per_position": (self.accepts / np.maximum(self.attempts, 1)).tolist() if self.L else [],
             "verify_tokens_per_pass": s["verify_tokens_total"] / max(s["steps_total"], 1),
+            "draft_gain_ratio": self._calibration.ratio,
             "sps_table": {f"{b}x{c}@{x}": v for (b, c, x), v in sorted(self.sps.entries.items())},
             "free_pages": self.pages.num_free, "total_pages": self.pages.num_pages,
             "preemptions_total": s["preemptions_total"], "aborted_total": s["aborted_total"],
         }
+
+
+def _top_gain(conf: np.ndarray, k: int) -> float:
+    """Expected accepted tokens of the k draft tokens with the highest survival in conf [R, L]."""
+    if k <= 0:
+        return 0.0
+    a = survival_host(conf, np.float64).ravel()
+    return float(np.sort(a)[::-1][:k].sum())
 
 
 def _is_request_error(e: Exception) -> bool:

@@ -74,6 +74,45 @@ def dspark_capacity(stale_conf: np.ndarray | None, active: np.ndarray, block_siz
     return capacity_search_host(survival_host(conf), sps_table, active)
 
 
+class GainCalibration:
+    """The realized yield of the dspark scheduler's speculative steps, fed back into its cost model.
+
+    The capacity search and the plain-or-speculate choice price a step by its expected accepted tokens, the
+    top-K stale survival Σ a_k. That figure is only as good as the confidence head's calibration on the live
+    traffic: on prompts unlike its calibration data (or with confidences two steps old) it can promise
+    drafts that the target then rejects, and each such step costs a full step's price for a plain step's
+    tokens. This keeps two decaying sums over the speculative steps chosen on their merits, predicted gain
+    P and accepted tokens A, and scales survival by ρ = (A + prior) / (P + prior) (clipped to [0, 1.5]):
+    calibrated traffic leaves ρ ≈ 1, a drafter that over-promises is priced by what it delivers. Both sums
+    decay every step (half-life `half_life` steps), so the prior returns when evidence gets old and the
+    scheduler re-tests a drafter it had stopped trusting. Scheduling only: ℓ never changes what is emitted."""
+
+    def __init__(self, prior: float = 2.0, half_life: float = 128.0, max_ratio: float = 1.5):
+        self.prior, self.max_ratio = float(prior), float(max_ratio)
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.predicted = self.accepted = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return float(np.clip((self.accepted + self.prior) / (self.predicted + self.prior), 0.0, self.max_ratio))
+
+    def tick(self) -> None:
+        """One engine step: old evidence fades."""
+        self.predicted *= self.decay
+        self.accepted *= self.decay
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        """A speculative step's predicted gain (Σ top-K stale survival, unscaled) and its accepted tokens."""
+        self.predicted += float(predicted)
+        self.accepted += float(accepted)
+
+    def apply(self, conf: np.ndarray) -> np.ndarray:
+        """Confidences [B, L] whose survival is ρ × the given survival (c_1 scaled, clipped to 1)."""
+        out = np.array(conf, np.float32, copy=True)
+        out[:, 0] = np.minimum(out[:, 0] * self.ratio, 1.0)
+        return out
+
+
 def warm_scheduler(spec: SchedulerSpec, batch_buckets, block_size: int, max_tokens: int) -> None:
     """Compiles the scheduler's jitted search for every batch bucket (start-up; a step never compiles)."""
     table = np.zeros(max_tokens + 1, np.float32)

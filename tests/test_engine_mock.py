@@ -776,6 +776,49 @@ def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
     assert not any(always) and any(rec.budget for rec in passes)
 
 
+def test_dspark_prices_drafts_by_what_they_deliver():
+    """A confidence head that promises survival 0.9 per position while the target rejects every draft: by the
+    confidences a speculative step pays (Σa = 3.1 > 1 with a plain step priced at twice a full one), by what it
+    delivers it never does. The engine's gain calibration (realized / predicted accepted tokens of its
+    speculative steps) stops it after two such steps; it only re-tests the drafter when that evidence has
+    decayed. A drafter whose drafts are accepted keeps speculating on every step. Outputs stay exact."""
+    from serve.scheduler import SpsTable
+
+    def run(accept):
+        core, runner = make_core("dspark", B=2, L=4, max_model_len=160, accept=accept,
+                                 conf=lambda t, s, seed, rnd: np.full(4, 0.9, np.float32))
+        core.set_sps(SpsTable({(bb, c, 0): 1.0 for bb, c in runner.verify_shapes()}, {(bb, 0): 2.0 for bb in (1, 2)}))
+        out = Outputs()
+        submit(core, out, "r1", [10, 11], 120, seed=1)
+        drain(core, out)
+        assert out.tokens("r1") == continuation([10, 11], 120)[0]
+        return core, [rec for rec in runner.passes if not rec.plain and rec.budget]
+
+    core, spec = run(lambda seed, rnd: 0)
+    assert all(m == 0 for rec in core.runner.passes for m in rec.m.values())  # nothing was ever accepted
+    assert len(spec) <= 8, [p.budget for p in spec]  # red without the calibration: ~all 120 steps speculate
+    assert core.metrics()["draft_gain_ratio"] < 0.5
+    core, spec = run(None)  # every draft accepted: ρ stays ≥ 1 and every step speculates
+    assert all(not rec.plain for rec in core.runner.passes) and core.metrics()["draft_gain_ratio"] >= 1.0
+
+
+def test_gain_calibration_ratio():
+    from serve.scheduler import GainCalibration
+
+    cal = GainCalibration(prior=2.0, half_life=10.0)
+    assert cal.ratio == 1.0  # no evidence: the confidences are taken at their word
+    cal.observe(6.0, 0)
+    assert cal.ratio == pytest.approx(2.0 / 8.0)
+    conf = np.array([[0.8, 0.5, 0.5], [0.4, 1.0, 1.0]], np.float32)
+    scaled = cal.apply(conf)
+    assert scaled[:, 0] == pytest.approx([0.2, 0.1]) and (scaled[:, 1:] == conf[:, 1:]).all()
+    for _ in range(10):
+        cal.tick()  # one half-life: the evidence weighs half
+    assert cal.ratio == pytest.approx(2.0 / 5.0)
+    cal.observe(2.0, 10)  # a drafter better than its word: ρ > 1, capped, survival clipped at 1
+    assert cal.ratio == pytest.approx(1.5) and cal.apply(conf)[0, 0] == 1.0
+
+
 def test_dspark_never_drafts_for_an_empty_budget():
     """Confidences of 0 give the capacity search K = 0, and a plain step priced like the full step it is a part
     of (the table a noisy profile can give): the tie takes the plain step. Before, Θ_plain had to beat Θ_0
