@@ -390,8 +390,10 @@ def test_engine_with_pallas_kernels_matches_target_only(tiny):
     """The deployed combination: the engine with kernels="pallas" (the ragged attention kernel in every target
     pass, the fused Markov sampler in every draft; interpreted on a CPU, compiled on a GPU/TPU) gives exactly
     the target-only greedy outputs, with drafts accepted."""
-    target, drafter, prompts, ref = tiny
-    # page_size 16: the GPU (Triton) kernel reads pages in blocks of at least 16 positions.
+    target, _, prompts, ref = tiny
+    # page_size 16 and Markov rank 16: the GPU (Triton) kernels read pages in blocks of at least 16 positions and
+    # need every tl.dot dimension ≥ 16 (rank 8 is refused there with a ValueError; session 18 on an H200).
+    drafter = _drafter(target, "dspark", 4, seed=3, num_layers=1, markov_rank=16)
     core = _engine(target, drafter, "dspark", kernels="pallas", page_size=16, profile=False).core_only()
     assert _run_greedy(core, prompts[:4], tag="pallas") == ref[:4]
     assert core.metrics()["tokens_per_step"] > 1.0
