@@ -87,7 +87,8 @@ def run_load(engine, prompts, concurrency: int, max_tokens: int, temperature: fl
     return {"total_tps": total / wall, "per_user_tps": per_user, "requests": len(prompts), "tokens": total,
             "wall_s": wall, "steps": steps, "plain_step_share": d["plain_steps_total"] / max(steps, 1),
             "tau": d["emitted_total"] / max(d["row_steps_total"], 1),
-            "verify_tokens_per_pass": d["verify_tokens_total"] / max(steps, 1)}
+            "verify_tokens_per_pass": d["verify_tokens_total"] / max(steps, 1),
+            "draft_gain_ratio": after.get("draft_gain_ratio")}  # dspark's ρ at the end of the load
 
 
 def reference_lines(target, drafter, prompts, max_tokens: int, target_spec: str) -> dict:
