@@ -1,8 +1,8 @@
 """The one door from `dspark_jax` to `pallas_kernels`: picks the Pallas kernel or its plain-jnp path.
 
 Modes (a static argument, never an environment variable), per kernel or one string for both:
-  "auto"      — the path measured faster on the current backend (`AUTO_PALLAS`): on CPU always the jnp path
-                (Pallas only interprets there, slowly);
+  "auto"      — on CPU the jnp path (Pallas only interprets there, slowly); on GPU the path measured faster
+                there; on TPU (not measured yet) the kernels (`AUTO_PALLAS`);
   "pallas"    — force the kernel (on CPU it runs in interpret mode: for tests);
   "reference" — force the jnp path.
 """
@@ -35,17 +35,19 @@ class KernelConfig:
 
 
 # Where "auto" takes the Pallas kernel, per kernel and backend: where it was measured faster than the jnp path.
-# On an H200 (session 18, jax 0.11.2, scripts/bench_pallas_*.py, one run): the ragged attention kernel ran 1.2-3.0×
+# On an H200 (session 18, jax 0.11.2, scripts/bench_pallas_*.py): the ragged attention kernel ran 1.2-3.0×
 # the reference at 16-64 requests and 2k-8k context, the Markov sampler 0.76-0.97× its fused-XLA reference
 # (V = 151936, R = 256, B = 1-64, two runs), so "auto" keeps the attention kernel on GPU and the jnp sampler. TPU: not
 # measured yet; the kernels stay on.
 AUTO_PALLAS = {"attention": ("gpu", "tpu"), "markov": ("tpu",)}
 
 
-def use_pallas(mode: str, kernel: str = "attention") -> bool:
+def use_pallas(mode: str, *, kernel: str) -> bool:
     """Whether `mode` selects the Pallas `kernel` ("attention" or "markov") on the current default backend."""
     if mode not in KERNEL_MODES:
         raise ValueError(f"unknown kernel mode {mode!r}; choose one of {', '.join(KERNEL_MODES)}")
+    if kernel not in AUTO_PALLAS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(AUTO_PALLAS)}")
     if mode == "auto":
         return jax.default_backend() in AUTO_PALLAS[kernel]
     return mode == "pallas"

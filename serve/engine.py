@@ -464,12 +464,12 @@ class EngineCore:
 
     def _plain_pays(self, stale, R: int, K: int, sps: np.ndarray, plain_sps: float | None) -> bool:
         """Whether a plain step (no draft pass) beats the best speculative one by the cost model:
-        Θ_plain = R · SPS_plain against Θ_K = (R + Σ top-K survival) · SPS(R + K). Survival is the stale one
-        (as for K), so the choice never looks at the current drafts. After a run of plain steps one step drafts
-        anyway (a probe, `_probed`; `_plan` has it verify no draft token), so the confidences the choice rests
-        on stay fresh: the run is `PROBE_EVERY` steps at first and doubles (up to `PROBE_MAX`) each time a
-        probe leaves plain steps still ahead, so a drafter that does not pay costs ever fewer draft passes; a
-        speculative step chosen on its merits resets it."""
+        Θ_plain = R · SPS_plain against Θ_K = (R + Σ top-K survival) · SPS(R + K). Survival is the stale one,
+        scaled by the gain calibration ρ (as for K), so the choice never looks at the current drafts. After a
+        run of plain steps one step drafts anyway (a probe, `_probed`; `_plan` has it verify no draft token),
+        so the confidences the choice rests on stay fresh: the run is `PROBE_EVERY` steps at first and doubles
+        (up to `PROBE_MAX`) each time a probe leaves plain steps still ahead, so a drafter that does not pay
+        costs ever fewer draft passes; a speculative step chosen on its merits resets it."""
         if plain_sps is None or stale is None:
             self._probed = False  # drafting for want of a cost model, not a probe
             return False
@@ -551,7 +551,7 @@ class EngineCore:
             "tokens_per_step": s["emitted_total"] / rows,
             "acceptance_per_position": (self.accepts / np.maximum(self.attempts, 1)).tolist() if self.L else [],
             "verify_tokens_per_pass": s["verify_tokens_total"] / max(s["steps_total"], 1),
-            "draft_gain_ratio": self._calibration.ratio,
+            "draft_gain_ratio": self._calibration.ratio if self.spec.kind == "dspark" else None,
             "sps_table": {f"{b}x{c}@{x}": v for (b, c, x), v in sorted(self.sps.entries.items())},
             "free_pages": self.pages.num_free, "total_pages": self.pages.num_pages,
             "preemptions_total": s["preemptions_total"], "aborted_total": s["aborted_total"],

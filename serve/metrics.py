@@ -9,7 +9,7 @@ Names (all prefixed `dspark_`):
   tokens_per_step                          τ: mean tokens emitted per request per target pass
   acceptance_rate{position="k"}            acceptance of draft position k = 1..L
   verify_tokens_per_pass                   mean tokens the target verifies per pass
-  draft_gain_ratio                         dspark: accepted / predicted tokens of its speculative steps (ρ)
+  draft_gain_ratio                         dspark: ρ, accepted / predicted draft tokens (decayed, smoothed)
   sps{bucket="N"}                          profiled steps/s of a target pass over N tokens (the SPS table)
   free_pages, total_pages                  KV-cache pages
   engine_healthy                           1 while the engine loop is alive
@@ -42,7 +42,7 @@ _GAUGES = {
     "requests_waiting": ("requests_waiting", "Requests queued for a slot."),
     "tokens_per_step": ("tokens_per_step", "Mean tokens emitted per request per step (tau)."),
     "verify_tokens_per_pass": ("verify_tokens_per_pass", "Mean tokens verified per target pass."),
-    "draft_gain_ratio": ("draft_gain_ratio", "dspark: accepted over predicted tokens of its speculative steps."),
+    "draft_gain_ratio": ("draft_gain_ratio", "dspark: accepted over predicted draft tokens (decayed, smoothed)."),
     "free_pages": ("free_pages", "Free KV-cache pages."),
     "total_pages": ("total_pages", "All KV-cache pages."),
 }

@@ -81,13 +81,21 @@ class GainCalibration:
     top-K stale survival Σ a_k. That figure is only as good as the confidence head's calibration on the live
     traffic: on prompts unlike its calibration data (or with confidences two steps old) it can promise
     drafts that the target then rejects, and each such step costs a full step's price for a plain step's
-    tokens. This keeps two decaying sums over the speculative steps chosen on their merits, predicted gain
-    P and accepted tokens A, and scales survival by ρ = (A + prior) / (P + prior) (clipped to [0, 1.5]):
+    tokens. This keeps two decaying sums over the speculative steps that verify drafts (probes verify none
+    and are left out), predicted gain P (Σ top-K *stale* survival: what the choice was made on, so ρ covers
+    staleness as well as miscalibration) and accepted tokens A, and scales survival by
+    ρ = (A + prior) / (P + prior), clipped to [0, `max_ratio`] (exactly while c_1 · ρ ≤ 1; `apply`):
     calibrated traffic leaves ρ ≈ 1, a drafter that over-promises is priced by what it delivers. Both sums
-    decay every step (half-life `half_life` steps), so the prior returns when evidence gets old and the
-    scheduler re-tests a drafter it had stopped trusting. Scheduling only: ℓ never changes what is emitted."""
+    decay on every dspark pass (half-life `half_life` passes), so the prior returns when evidence gets old and
+    the scheduler re-tests a drafter it had stopped trusting. The prior is in tokens: a drafter that never
+    delivers is re-tested about once per `half_life` passes. One ratio for all positions and requests: it
+    keeps the survival order, so it corrects how much the drafts are worth, not which ones are drafted.
+    Scheduling only: ℓ never changes what is emitted."""
 
     def __init__(self, prior: float = 2.0, half_life: float = 128.0, max_ratio: float = 1.5):
+        if not (prior > 0 and half_life > 0 and max_ratio > 0):
+            raise ValueError(f"GainCalibration needs prior, half_life and max_ratio > 0, got {prior=}, "
+                             f"{half_life=}, {max_ratio=}")
         self.prior, self.max_ratio = float(prior), float(max_ratio)
         self.decay = 0.5 ** (1.0 / half_life)
         self.predicted = self.accepted = 0.0
@@ -97,7 +105,7 @@ class GainCalibration:
         return float(np.clip((self.accepted + self.prior) / (self.predicted + self.prior), 0.0, self.max_ratio))
 
     def tick(self) -> None:
-        """One engine step: old evidence fades."""
+        """One dspark pass: old evidence fades."""
         self.predicted *= self.decay
         self.accepted *= self.decay
 
@@ -107,7 +115,8 @@ class GainCalibration:
         self.accepted += float(accepted)
 
     def apply(self, conf: np.ndarray) -> np.ndarray:
-        """Confidences [B, L] whose survival is ρ × the given survival (c_1 scaled, clipped to 1)."""
+        """Confidences [B, L] whose survival is ρ × the given survival: c_1 scaled, clipped to 1 (so for ρ > 1
+        a row already near certain is scaled less)."""
         out = np.array(conf, np.float32, copy=True)
         out[:, 0] = np.minimum(out[:, 0] * self.ratio, 1.0)
         return out

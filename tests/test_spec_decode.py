@@ -303,8 +303,11 @@ def test_auto_kernels_follow_the_measured_table(monkeypatch, backend, attention,
     import dspark_jax.kernels as kernels_lib
 
     monkeypatch.setattr(kernels_lib.jax, "default_backend", lambda: backend)
-    assert kernels_lib.use_pallas("auto", "attention") is attention
-    assert kernels_lib.use_pallas("auto", "markov") is markov
-    assert kernels_lib.use_pallas("pallas", "markov") and not kernels_lib.use_pallas("reference", "attention")
+    assert kernels_lib.use_pallas("auto", kernel="attention") is attention
+    assert kernels_lib.use_pallas("auto", kernel="markov") is markov
+    assert kernels_lib.use_pallas("pallas", kernel="markov")
+    assert not kernels_lib.use_pallas("reference", kernel="attention")
     with pytest.raises(ValueError, match="unknown kernel mode"):
-        kernels_lib.use_pallas("fast", "markov")
+        kernels_lib.use_pallas("fast", kernel="markov")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernels_lib.use_pallas("auto", kernel="sampler")
