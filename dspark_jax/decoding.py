@@ -245,8 +245,8 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
         on_tokens: optional callback(row, new_tokens) for streaming.
         on_round: optional callback(live bool [B], lengths [B], num_accepted [B], confidence [B, L]) after every
             speculative round (host arrays), e.g. to collect calibration data.
-        kernels: "auto" (Pallas on GPU/TPU), "pallas" (forced; interpreted on CPU), "reference", or a
-            `kernels.KernelConfig` choosing per kernel.
+        kernels: "auto" (Pallas where measured faster: `kernels.AUTO_PALLAS`), "pallas" (forced; interpreted on
+            CPU), "reference", or a `kernels.KernelConfig` choosing per kernel.
 
     Returns:
         GenerateResult with `.tokens` and `.stats`.

@@ -102,8 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 picks a free one (default: "
                                                             "%(default)s)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
-                   help="attention/sampling kernels: auto (Pallas on GPU/TPU), reference (plain jnp) or pallas "
-                        "(default: %(default)s)")
+                   help="attention/sampling kernels: auto (Pallas where measured faster: attention on GPU/TPU, "
+                        "the sampler on TPU), reference (plain jnp) or pallas (default: %(default)s)")
     p.add_argument("--sps-out", default=None, metavar="PATH",
                    help="write the SPS table profiled at start-up (steps/s by batch bucket, tokens per pass and "
                         "context length) to this JSON file")
