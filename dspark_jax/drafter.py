@@ -97,8 +97,7 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
         return tok.T.astype(jnp.int32), widen(probs.swapaxes(0, 1)), conf.T.astype(jnp.float32)
 
     # The fused kernel indexes W1 by the sampled token: a reduced vocabulary takes the scan path.
-    markov_mode = kernels_lib.KernelConfig.parse(kernels).markov
-    fused = kernels_lib.use_pallas(markov_mode, kernel="markov") and not draft_vocab.is_reduced(cfg)
+    fused = kernels_lib.KernelConfig.parse(kernels).pallas("markov") and not draft_vocab.is_reduced(cfg)
     if cfg.head != "markov" or not fused:
         return scan_path()
 

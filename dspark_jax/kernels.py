@@ -33,6 +33,10 @@ class KernelConfig:
         """A KernelConfig, or one mode string for every kernel."""
         return spec if isinstance(spec, KernelConfig) else cls(markov=spec, attention=spec)
 
+    def pallas(self, kernel: str) -> bool:
+        """Whether `kernel` ("attention" or "markov") runs as the Pallas kernel here (`use_pallas`)."""
+        return use_pallas(getattr(self, kernel), kernel=kernel)
+
 
 # Where "auto" takes the Pallas kernel, per kernel and backend: where it was measured faster than the jnp path.
 # On an H200 (session 18, jax 0.11.2, scripts/bench_pallas_*.py): the ragged attention kernel ran 1.2-3.0×

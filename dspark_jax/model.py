@@ -51,8 +51,7 @@ class DecoderLayer(nnx.Module):
         q, k, v = self.attn.qkv(self.attn_norm(x))
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         k_buf, v_buf = write_kv(k_buf, k, positions), write_kv(v_buf, v, positions)
-        attention_mode = kernels_lib.KernelConfig.parse(kernels).attention
-        if kernels_lib.use_pallas(attention_mode, kernel="attention"):  # mask is implied
+        if kernels_lib.KernelConfig.parse(kernels).pallas("attention"):  # mask is implied
             a = kernels_lib.cached_attention(q, k_buf, v_buf, positions)
         else:
             a = attention(q, k_buf, v_buf, mask)

@@ -259,7 +259,7 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
     """
     cfg = model.cfg
     page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
-    use_kernel = kernels_lib.use_pallas(kernels_lib.KernelConfig.parse(kernels).attention, kernel="attention")
+    use_kernel = kernels_lib.KernelConfig.parse(kernels).pallas("attention")
     x = model.embed_tokens(tokens[None])  # [1, T, D]
     angles = rope_angles(pos[None], rope_inv_freq(cfg.rope, cfg.head_dim), x.dtype)
     ks, vs, saved = [], [], {}

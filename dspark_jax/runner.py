@@ -318,8 +318,7 @@ class ModelRunner:
         if drafter is not None and drafter.config.kind == "eagle3":
             raise ValueError("the paged round supports block drafters (dspark, dflash), not eagle3")
         kcfg = kernels_lib.KernelConfig.parse(kernels)
-        gpu_kernel = kernels_lib.use_pallas(kcfg.attention, kernel="attention") and jax.default_backend() == "gpu"
-        if gpu_kernel and page_size % 16:
+        if kcfg.pallas("attention") and jax.default_backend() == "gpu" and page_size % 16:
             raise ValueError(f"page_size={page_size}: the GPU attention kernel reads pages in blocks of 16 "
                              "positions; use a multiple of 16 (or --kernels reference)")
         self.target, self.drafter = target, drafter

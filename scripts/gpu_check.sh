@@ -25,5 +25,6 @@ step engine_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine
 step bench_attention 50 python3 scripts/bench_pallas_attention.py --repeats 20
 step bench_markov 50 python3 scripts/bench_pallas_markov.py --repeats 20
 step bench_engine 240 python3 scripts/bench_engine_device.py --arch smollm2 --dtype bfloat16 \
-    --schedulers ${BENCH_SCHEDULERS:-none fixed:3} --pipelining ${BENCH_PIPELINING:-both} --kernels auto --concurrency 1 4 16 --max-batch 16 --out "$OUT/bench_engine.json"
+    --schedulers ${BENCH_SCHEDULERS:-none fixed:3} --pipelining ${BENCH_PIPELINING:-both} --kernels auto \
+    --concurrency 1 4 16 --max-batch 16 --out "$OUT/bench_engine.json"
 echo "all steps done"

@@ -56,7 +56,7 @@ class _Plan:
     budget: int | None
     drafts: object
     want_confidence: bool
-    predicted: float | None = None  # dspark, a step chosen on its merits: Σ top-K stale survival (unscaled)
+    predicted: float | None = None  # dspark, a step verifying drafts: Σ top-K stale survival (unscaled)
 
 
 @dataclasses.dataclass

@@ -311,3 +311,5 @@ def test_auto_kernels_follow_the_measured_table(monkeypatch, backend, attention,
         kernels_lib.use_pallas("fast", kernel="markov")
     with pytest.raises(ValueError, match="unknown kernel"):
         kernels_lib.use_pallas("auto", kernel="sampler")
+    auto = kernels_lib.KernelConfig.parse("auto")  # what the call sites ask
+    assert auto.pallas("attention") is attention and auto.pallas("markov") is markov
