@@ -1,4 +1,8 @@
-"""`Drafter`: a drafter network bound to its config, block sampling, and Orbax checkpoints.
+"""`Drafter`: a drafter network bound to its config, block sampling, and its checkpoints.
+
+A checkpoint is a directory: `drafter_config.json` beside `model.safetensors` (one tensor per parameter, named by
+its path in the module, e.g. `layers.0.attn.q`). Directories written by older versions hold an Orbax `params/`
+checkpoint instead; `load_drafter` reads both.
 
 Block sampling (`draft_block`, one jitted function) returns, for a batch of anchors:
   draft tokens x_1..x_L [B, L], the filtered draft distributions q_k [B, L, V] that rejection sampling needs,
@@ -26,7 +30,8 @@ from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead, cal
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 
 CONFIG_FILE = "drafter_config.json"
-PARAMS_DIR = "params"
+WEIGHTS_FILE = "model.safetensors"
+PARAMS_DIR = "params"  # the Orbax layout of older checkpoints (read only)
 
 
 def _step_keys(keys, k):
@@ -185,10 +190,10 @@ class Drafter:
             diff = {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)}
             raise ValueError(f"drafter was trained for a different target: (drafter, target) differ in {diff}")
 
-    def save(self, path: str, dtype: str | None = None, *, format: str = "orbax", target=None,
+    def save(self, path: str, dtype: str | None = None, *, format: str = "safetensors", target=None,
              mask_token_id: int | None = None) -> None:
-        """Writes `drafter_config.json` and an Orbax checkpoint of the parameters under `path`, or with
-        format="deepspec" a DeepSpec checkpoint (config.json + safetensors, dspark_jax/deepspec.py).
+        """Writes `drafter_config.json` and `model.safetensors` under `path`, or with format="deepspec" a
+        DeepSpec checkpoint (config.json + safetensors, dspark_jax/deepspec.py).
 
         dtype: store floating parameters in this dtype (e.g. "bfloat16" halves a shipped checkpoint); loading
         casts them back to the target's dtype.
@@ -200,20 +205,33 @@ class Drafter:
                 raise ValueError("format='deepspec' needs target=...: the checkpoint carries the target's config "
                                  "and copies of its embedding and LM head")
             return deepspec.save(self, path, target, dtype=dtype, mask_token_id=mask_token_id)
-        if format != "orbax":
-            raise ValueError(f"unknown checkpoint format {format!r}; choose orbax or deepspec")
-        import orbax.checkpoint as ocp
+        if format != "safetensors":
+            raise ValueError(f"unknown checkpoint format {format!r}; choose safetensors or deepspec")
+        from safetensors.flax import save_file
 
         path = os.path.abspath(path)
         os.makedirs(path, exist_ok=True)
+        tensors = {}
+        for key, x in _flat_params(self.params).items():
+            x = jax.device_get(x)
+            if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+                x = x.astype(dtype)
+            tensors[key] = jnp.asarray(x)
+        # Written beside, then renamed over: a killed save never leaves a half-written checkpoint.
+        tmp = os.path.join(path, f".{WEIGHTS_FILE}.tmp")
+        save_file(tensors, tmp, metadata={"format": "dspark-jax", "kind": self.config.kind})
         with open(os.path.join(path, CONFIG_FILE), "w") as f:
             json.dump(self.config.to_dict(), f, indent=2)
-        pure = nnx.to_pure_dict(self.params)
-        if dtype is not None:
-            pure = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, pure)
-        ckpt = os.path.join(path, PARAMS_DIR)
-        with ocp.StandardCheckpointer() as c:
-            c.save(ckpt, pure, force=True)
+        os.chmod(tmp, 0o644)  # safetensors creates the file private; a checkpoint is meant to be shared
+        os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
+
+
+def _flat_params(params) -> dict:
+    """{"layers.0.attn.q": array, ...}: a drafter's parameters keyed by their dotted module path."""
+    flat = {}
+    for keys, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]:
+        flat[".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)] = x
+    return flat
 
 
 def init_drafter(target, kind: str = "dspark", seed: int = 0, block_size: int = 7, **overrides) -> Drafter:
@@ -258,8 +276,6 @@ def load_drafter(path: str, target) -> Drafter:
     Raises:
         ValueError with a one-line message for a missing, corrupt or mismatched checkpoint.
     """
-    import orbax.checkpoint as ocp
-
     path = resolve_drafter(path)
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)) and deepspec.is_checkpoint(path):
         return deepspec.load(path, target)
@@ -274,15 +290,53 @@ def load_drafter(path: str, target) -> Drafter:
     abstract = nnx.eval_shape(lambda: DrafterModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(0)))
     drafter = Drafter(cfg, abstract)
     drafter.check_target(target)
-    # Restored onto one device whatever mesh saved it (a drafter trained across hosts loads anywhere).
+    if os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+        restored = _read_safetensors(os.path.join(path, WEIGHTS_FILE), drafter.params)
+    else:
+        restored = _read_orbax(path, drafter.params)
+    nnx.replace_by_pure_dict(drafter.params, restored)
+    return drafter
+
+
+def _read_safetensors(file: str, abstract_params) -> dict:
+    """The parameters in `file` as a pure dict shaped like `abstract_params`, each cast to its dtype and placed
+    on one device (a drafter trained on any mesh loads anywhere)."""
+    from safetensors import SafetensorError, safe_open
+
+    want = _flat_params(abstract_params)
+    one = jax.devices()[0]
+    try:
+        with safe_open(file, framework="flax") as f:
+            have = set(f.keys())
+            if have != set(want):
+                missing, extra = sorted(set(want) - have), sorted(have - set(want))
+                raise ValueError(f"drafter weights {file} do not match its config: missing {missing[:5]}, "
+                                 f"unexpected {extra[:5]}")
+            flat = {}
+            for key, spec in want.items():
+                x = f.get_tensor(key)
+                if x.shape != spec.shape:
+                    raise ValueError(f"drafter weights {file}: {key} has shape {x.shape}, the config needs "
+                                     f"{spec.shape}")
+                flat[key] = jax.device_put(x.astype(spec.dtype), one)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"corrupt drafter checkpoint {file}: {e}") from None
+    pure = nnx.to_pure_dict(abstract_params)
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(pure)
+    keys = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in leaves_with_path]
+    return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys])
+
+
+def _read_orbax(path: str, abstract_params) -> dict:
+    """The parameters of an Orbax `params/` checkpoint (the layout older versions wrote), on one device."""
+    import orbax.checkpoint as ocp
+
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
-                               nnx.to_pure_dict(drafter.params))
+                               nnx.to_pure_dict(abstract_params))
     try:
         with ocp.StandardCheckpointer() as c:
-            restored = c.restore(os.path.join(os.path.abspath(path), PARAMS_DIR), target_tree)
+            return c.restore(os.path.join(os.path.abspath(path), PARAMS_DIR), target_tree)
     except Exception as e:  # orbax raises many types for truncated/missing files
         raise ValueError(f"corrupt or incompatible drafter checkpoint at {path}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    nnx.replace_by_pure_dict(drafter.params, restored)
-    return drafter

@@ -39,7 +39,7 @@ class KernelConfig:
 
 
 # Where "auto" takes the Pallas kernel, per kernel and backend: where it was measured faster than the jnp path.
-# On an H200 (session 18, jax 0.11.2, scripts/bench_pallas_*.py): the ragged attention kernel ran 1.2-3.0×
+# On an H200 (2026-12-04, jax 0.11.2, scripts/bench_pallas_*.py): the ragged attention kernel ran 1.2-3.0×
 # the reference at 16-64 requests and 2k-8k context, the Markov sampler 0.76-0.97× its fused-XLA reference
 # (V = 151936, R = 256, B = 1-64, two runs), so "auto" keeps the attention kernel on GPU and the jnp sampler. TPU: not
 # measured yet; the kernels stay on.

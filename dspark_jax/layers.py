@@ -154,7 +154,7 @@ def dense(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
     (so XLA does not fold the transpose back into the dot), then transposed back (a few rows). On XLA:CPU that
     is what makes a verification pass cheap: SmolLM2's whole pass over 8 tokens at context 64 took 40.7 ms this
     way against 48.7 ms as x @ W (1.31× against 1.66× its one-token pass; `scripts/bench_verify_price.py`,
-    reports/serve/session14/verify_price.log, one run), and the same at one token. The tied LM head is the same
+    reports/2026-12-04/serve-probes/verify_price.log, one run), and the same at one token. The tied LM head is the same
     product (model.tied_head)."""
     if not out_in:
         return jnp.matmul(x, w)

@@ -568,7 +568,7 @@ class ModelRunner:
         chains its rounds), waited for once at the end. Timing each step alone would add the host's upload,
         dispatch and read-back to every step, which a pipelined engine hides behind the step in flight: a
         constant that squeezes the ratios between shapes (a 1-token plain step priced at 0.73 of its served
-        speed, a 2-token one at 1.1, in session 11's run) and so makes speculation look cheaper than it is."""
+        speed, a 2-token one at 1.1, on this project's 2-core CPU) and so makes speculation look cheaper than it is."""
         dev = self.device_batch(b)
         t0 = _now()
         for _ in range(repeats):
@@ -581,7 +581,7 @@ class ModelRunner:
         untimed step of each, then `blocks` rounds in which every shape runs `repeats` chained steps in turn;
         each shape keeps its fastest run. The machine's speed drifts by tens of percent over seconds here (a
         shared host), and the scheduler reads ratios (a plain step against the full steps of its batch
-        bucket): measured apart, a slow spell under one side mispriced them (session 16: a plain step priced at
+        bucket): measured apart, a slow spell under one side mispriced them (once, a plain step priced at
         1.16× a 4-token full step where, interleaved, it is 1.4×, so one request speculated on drafts that do
         not pay). The fastest run, because noise only ever slows a run."""
         for b, kw in shapes.values():

@@ -21,6 +21,7 @@ one step (draft, schedule, verify, host) are measured at concurrency 1 and 16. A
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
                         "machine drift hits them alike; cells report the median run and ratios pair runs of the same "
                         "round (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the server's (from the target)")
-    p.add_argument("--out", default="reports/serve", help="directory for bench_serve.json and throughput.png")
+    p.add_argument("--out", default=f"reports/{datetime.date.today()}/serve",
+                   help="directory for bench_serve.json and throughput.png (default: reports/<today>/serve)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.rounds < 1:

@@ -10,7 +10,7 @@ Verdicts (exit 1 if any fails): RSS flat (median of the last window within --rss
 page leaked (free == total after the drain), p99 latency of the last window within --p99-tolerance of the first
 (windows: 5 minutes, or a third of a shorter run; at least 20 complete requests in each, else the verdict is
 inconclusive and fails), no response >= 500, no mismatched greedy output, /health 200
-and the server alive at the end. Writes reports/serve/soak-<time>.json and a latency/RSS/pages-over-time PNG.
+and the server alive at the end. Writes reports/<today>/soak/soak-<time>.json and a latency/RSS/pages-over-time PNG.
 
     python scripts/soak.py --minutes 30                            # starts python -m dspark_jax.serve
     python scripts/soak.py --minutes 2 -- --max-batch 4 --max-model-len 256 --drafter none
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import random
@@ -331,7 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--p99-tolerance", type=float, default=0.20, help="allowed p99 growth (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="the server's --api-key (also given to a server started here)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: %(default)s)")
-    p.add_argument("--out-dir", default="reports/serve", help="where the JSON report and PNG go")
+    p.add_argument("--out-dir", default=f"reports/{datetime.date.today()}/soak",
+                   help="where the JSON report and PNG go (default: reports/<today>/soak)")
     p.add_argument("--startup", type=float, default=1200.0, help="seconds allowed for a started server to start")
     p.add_argument("server_args", nargs="*", help=f"flags for a started server, after -- (default: "
                                                   f"{' '.join(SERVER_ARGS)})")

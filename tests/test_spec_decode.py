@@ -227,14 +227,30 @@ def test_checkpoint_round_trip_and_wrong_target(tiny_target, tmp_path, small_voc
         dspark_jax.load_drafter(str(tmp_path / "ck"), small_vocab_target)
     with pytest.raises(ValueError, match="not a drafter checkpoint"):
         dspark_jax.load_drafter(str(tmp_path / "nothing"), tiny_target)
-    # Corrupt the parameter files: a clear error, not a crash deep in Orbax.
-    for root, _, files in os.walk(tmp_path / "ck" / "params"):
-        for f in files:
-            if not f.endswith(".json"):
-                with open(os.path.join(root, f), "wb") as fh:
-                    fh.write(b"garbage")
+    assert sorted(os.listdir(tmp_path / "ck")) == ["drafter_config.json", "model.safetensors"]
+    # Truncated, then garbage weights: a clear error, not a crash deep in safetensors.
+    weights = tmp_path / "ck" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(ValueError, match="corrupt"):
         dspark_jax.load_drafter(str(tmp_path / "ck"), tiny_target)
+    weights.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="corrupt"):
+        dspark_jax.load_drafter(str(tmp_path / "ck"), tiny_target)
+
+
+def test_checkpoint_from_older_orbax_layout_still_loads(tiny_target, tmp_path):
+    """Checkpoints written before the safetensors format (an Orbax `params/` directory) load unchanged."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    d = _drafter(tiny_target, "dspark", 4, scramble=0.3)
+    d.save(str(tmp_path / "ck"))
+    os.remove(tmp_path / "ck" / "model.safetensors")
+    with ocp.StandardCheckpointer() as c:
+        c.save(str(tmp_path / "ck" / "params"), nnx.to_pure_dict(d.params))
+    back = dspark_jax.load_drafter(str(tmp_path / "ck"), tiny_target)
+    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(back.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---- Pallas kernels forced on (interpret mode on CPU) ------------------------------------------------------------

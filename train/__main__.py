@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 
@@ -165,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--temperature", type=float, default=1.0)
     e.add_argument("--batch-size", type=int, default=8)
-    e.add_argument("--out", default="reports/eval", help="directory for eval.json and the PNG curves")
+    e.add_argument("--out", default=f"reports/{datetime.date.today()}/eval",
+                   help="directory for eval.json and the PNG curves (default: reports/<today>/eval)")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_eval)
     return p
