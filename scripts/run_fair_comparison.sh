@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #12's long jobs in order, each resumable: rerun this script after an interruption and every stage
+# The fair comparison's long jobs in order, each resumable: rerun this script after an interruption and every stage
 # continues where it stopped (prepare skips finished shards and features; fit restores its Orbax checkpoint).
 #   nohup scripts/run_fair_comparison.sh > logs/fair_comparison.log 2>&1 &
 # Stages: regenerate the SmolLM2 training data (data_release/smollm2, committed) and its target features
