@@ -22,6 +22,7 @@ from flax import nnx
 from dspark_jax.kernels import KernelConfig
 from dspark_jax.keys import VERIFY
 from dspark_jax.sampling import all_greedy, filter_probs, sample
+from dspark_jax.target import dtype_name, resolve_dtype
 from dspark_jax.verification import acceptance_counts
 
 
@@ -134,7 +135,7 @@ def _pow2_at_least(n: int) -> int:
 
 
 def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p, seed,
-                   ignore_eos, on_tokens=None, kernels="auto", on_round=None) -> GenerateResult:
+                   ignore_eos, on_tokens=None, kernels="auto", on_round=None, kv_dtype="auto") -> GenerateResult:
     """Target-only or speculative decoding of a batch through the serving engine's round
     (dspark_jax/runner.py: the same prefill, draft and verify programs over paged caches).
 
@@ -166,7 +167,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * (L + 1) + 1
     max_pages = _pow2_at_least(-(-longest // PAGE_SIZE))
     runner = ModelRunner(target, drafter, max_batch=B, num_pages=B * max_pages, page_size=PAGE_SIZE,
-                         max_pages=max_pages, kernels=kernels)
+                         max_pages=max_pages, kernels=kernels, kv_dtype=kv_dtype)
     tables = np.arange(B * max_pages, dtype=np.int32).reshape(B, max_pages)
     keys = row_key_data(seed, B)
     track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
@@ -230,7 +231,8 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
 
 def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, policy=None,
-             on_tokens=None, kernels: str | KernelConfig = "auto", on_round=None) -> GenerateResult:
+             on_tokens=None, kernels: str | KernelConfig = "auto", on_round=None,
+             kv_dtype: str = "auto") -> GenerateResult:
     """Generates continuations of token-id prompts, target-only or speculatively with a drafter.
 
     Args:
@@ -247,6 +249,7 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
             speculative round (host arrays), e.g. to collect calibration data.
         kernels: "auto" (Pallas where measured faster: `kernels.AUTO_PALLAS`), "pallas" (forced; interpreted on
             CPU), "reference", or a `kernels.KernelConfig` choosing per kernel.
+        kv_dtype: the paged KV cache's dtype: "auto" (the target's dtype), "bfloat16" or "float32".
 
     Returns:
         GenerateResult with `.tokens` and `.stats`.
@@ -260,8 +263,13 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               ignore_eos=ignore_eos, on_tokens=on_tokens, kernels=kernels)
     KernelConfig.parse(kernels)  # validates the modes
+    compute = dtype_name(target.dtype)
+    kv_dtype = resolve_dtype(kv_dtype, auto=compute)
     if drafter is not None and drafter.config.kind == "eagle3":  # drafts token by token from its own cache
         from dspark_jax.spec_decode import generate_speculative
 
+        if kv_dtype != compute:
+            raise ValueError(f"kv_dtype={kv_dtype}: an eagle3 drafter decodes over dense caches in the target's "
+                             f"dtype ({compute}); pass kv_dtype='auto'")
         return generate_speculative(target, drafter, prompts, policy=policy, **kw)
-    return generate_paged(target, drafter, prompts, policy=policy, **kw, on_round=on_round)
+    return generate_paged(target, drafter, prompts, policy=policy, **kw, on_round=on_round, kv_dtype=kv_dtype)

@@ -234,10 +234,14 @@ def _flat_params(params) -> dict:
     return flat
 
 
-def init_drafter(target, kind: str = "dspark", seed: int = 0, block_size: int = 7, **overrides) -> Drafter:
-    """An untrained drafter for `target` (see DrafterConfig.for_target for defaults and overrides)."""
+def init_drafter(target, kind: str = "dspark", seed: int = 0, block_size: int = 7, *, dtype=None,
+                 **overrides) -> Drafter:
+    """An untrained drafter for `target` (see DrafterConfig.for_target for defaults and overrides).
+
+    dtype: its parameters' dtype; None = the target's (serving). Training passes float32: the master weights
+    and the AdamW moments stay float32 under a bfloat16 target (train/distill.py)."""
     cfg = DrafterConfig.for_target(target.config, kind=kind, block_size=block_size, **overrides)
-    return Drafter(cfg, DrafterModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(seed)))
+    return Drafter(cfg, DrafterModel(cfg, dtype=target.dtype if dtype is None else dtype, rngs=nnx.Rngs(seed)))
 
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters")
@@ -267,18 +271,21 @@ def resolve_drafter(spec: str) -> str:
                      f"(shipped: {known})")
 
 
-def load_drafter(path: str, target) -> Drafter:
+def load_drafter(path: str, target, *, dtype=None) -> Drafter:
     """Loads a drafter saved by `Drafter.save` (a directory, or a shipped name such as
     "smollm2-135m-instruct/dspark") or a DeepSpec checkpoint (a directory or a hub id in the local Hugging Face
-    cache, see dspark_jax/deepspec.py) and checks it was made for `target`. Parameters are cast to the target's
-    dtype.
+    cache, see dspark_jax/deepspec.py) and checks it was made for `target`. Parameters are cast to `dtype`,
+    by default the target's (serving a bf16 target: a bf16 drafter); training resumes in float32.
 
     Raises:
         ValueError with a one-line message for a missing, corrupt or mismatched checkpoint.
     """
+    dtype = target.dtype if dtype is None else dtype
     path = resolve_drafter(path)
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)) and deepspec.is_checkpoint(path):
-        return deepspec.load(path, target)
+        drafter = deepspec.load(path, target)  # in the target's dtype
+        return drafter if jnp.dtype(dtype) == jnp.dtype(target.dtype) else drafter.with_params(
+            jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, drafter.params))
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(cfg_path):
         raise ValueError(f"not a drafter checkpoint: {cfg_path} does not exist")
@@ -287,7 +294,7 @@ def load_drafter(path: str, target) -> Drafter:
             cfg = DrafterConfig.from_dict(json.load(f))
     except (json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"corrupt drafter config {cfg_path}: {e}") from None
-    abstract = nnx.eval_shape(lambda: DrafterModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: DrafterModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     drafter = Drafter(cfg, abstract)
     drafter.check_target(target)
     if os.path.isfile(os.path.join(path, WEIGHTS_FILE)):

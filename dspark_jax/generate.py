@@ -1,7 +1,8 @@
 """`python -m dspark_jax.generate`: chat-templated generation from the command line, streaming to stdout.
 
 Target-only by default; `--drafter` decodes speculatively (the output is the same for greedy decoding, and
-identically distributed when sampling). `--json` prints token ids and timings instead of streaming text.
+identically distributed when sampling). `--json` prints token ids, timings and the dtypes used instead of
+streaming text. `--dtype auto` (the default) is bfloat16 on GPU/TPU and float32 on CPU.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import types
 
 from dspark_jax import hub
+from dspark_jax.target import DTYPE_CHOICES, dtype_name, resolve_dtype
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -29,8 +31,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep; 1.0 = off")
     p.add_argument("--seed", type=int, default=0, help="random seed; a fixed seed gives a fixed output")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="parameter/activation dtype (bf16 is slow on CPUs without bf16 GEMM)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="parameter/activation dtype: auto (bfloat16 on GPU/TPU, float32 on CPU, where bf16 GEMMs "
+                        "are slow), bfloat16 or float32 (default: %(default)s)")
+    p.add_argument("--kv-dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="dtype of the paged KV cache: auto (the --dtype), bfloat16 or float32; attention reads it "
+                        "up to float32 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object with token ids and timings")
     return p.parse_args(argv)
 
@@ -62,7 +68,7 @@ def main(argv=None) -> int:
 
         res = dspark_jax.generate(target, [prompt], drafter, max_new_tokens=args.max_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  seed=args.seed, on_tokens=None if args.json else stream)
+                                  seed=args.seed, on_tokens=None if args.json else stream, kv_dtype=args.kv_dtype)
     except ValueError as e:  # ModelSpecError and bad parameters: one line, exit 2, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -74,6 +80,8 @@ def main(argv=None) -> int:
         print(json.dumps({"prompt_ids": prompt, "tokens": toks,
                           "text": target.tokenizer.decode(toks, skip_special_tokens=True),
                           "stats": res.stats, "timings": {**res.timings, "load_s": load_s},
+                          "dtype": dtype_name(target.dtype),
+                          "kv_dtype": resolve_dtype(args.kv_dtype, auto=dtype_name(target.dtype)),
                           "decode_tokens_per_s": (len(toks) - 1) / dec if dec > 0 else None}))
     else:
         print()

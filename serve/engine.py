@@ -673,31 +673,40 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
                   page_size: int = 16, num_pages: int | None = None, kernels: str = "auto",
                   mesh_shape: tuple[int, int] = (1, 1), chunk_sizes: tuple[int, ...] = (32, 128),
                   profile: bool = True, progress: bool = True, sps_table: str | None = None,
-                  sps_out: str | None = None, max_waiting: int | None = None, target_obj=None, drafter_obj=None,
-                  runner=None) -> Engine:
+                  sps_out: str | None = None, max_waiting: int | None = None, dtype: str = "auto",
+                  kv_dtype: str = "auto", target_obj=None, drafter_obj=None, runner=None) -> Engine:
     """Loads target and drafter, precompiles every shape, profiles (or loads) the SPS table, starts the engine.
 
     drafter: "auto" = the drafter shipped for `target` if there is one, else none (said in one log line);
         None or "none" serves the target alone. scheduler: default "dspark" with a drafter, "none" without.
     max_model_len: default min(the target's max_position_embeddings, 2048).
+    dtype: the target's (and drafter's) weights and activations: "auto" (bfloat16 on GPU/TPU, float32 on CPU:
+        `dspark_jax.target.resolve_dtype`), "bfloat16" or "float32"; with `target_obj`, "auto" or its own dtype.
+    kv_dtype: the KV page pools': "auto" (= the compute dtype), "bfloat16" or "float32".
     sps_table: a saved table (`sps_out` of an earlier start) to load instead of profiling; it must cover every
         shape. `target_obj` / `drafter_obj` pass already-loaded models (tests); `runner` reuses the device side
-        of an earlier engine (compiled programs, pools), whose sizes then win. `mesh_shape` = (data, model).
+        of an earlier engine (compiled programs, pools), whose sizes and dtypes then win. `mesh_shape` = (data, model).
     """
     from dspark_jax.drafter import load_drafter
     from dspark_jax.runner import ModelRunner
     from dspark_jax.sharding import make_mesh
-    from dspark_jax.target import load_target
+    from dspark_jax.target import dtype_name, load_target, resolve_dtype
 
     say = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
     if max_batch < 1 or page_size < 1 or (max_model_len is not None and max_model_len < 2):
         raise ValueError(f"bad engine sizes: {max_batch=}, {max_model_len=}, {page_size=}")
+    dtype = resolve_dtype(dtype, auto=None if target_obj is None else dtype_name(target_obj.dtype))
+    if target_obj is not None and dtype != dtype_name(target_obj.dtype):
+        raise ValueError(f"dtype={dtype} but the given target is {dtype_name(target_obj.dtype)}; load it in "
+                         f"{dtype} or pass dtype='auto'")
+    kv_dtype = resolve_dtype(kv_dtype, auto=dtype)
     if runner is not None:
         spec = SchedulerSpec.parse(scheduler or ("dspark" if runner.drafter is not None else "none"))
         mml = max_model_len or (runner.max_pages * runner.page_size - runner.L - 1)
         return _engine_on(runner, spec, mml, profile, say, getattr(runner.target, "source", "target"),
                           sps_table, sps_out, max_waiting, progress)
-    tgt = target_obj if target_obj is not None else load_target(target)
+    log.info("dtype: %s (weights and activations), KV cache: %s", dtype, kv_dtype)
+    tgt = target_obj if target_obj is not None else load_target(target, dtype)
     if drafter == "auto" and drafter_obj is None:
         drafter = default_drafter(target) if target_obj is None else None
         log.info("drafter: %s", drafter or f"none (no drafter is shipped for {target}); serving the target alone")
@@ -722,7 +731,8 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
     num_pages = num_pages or max_batch * max_pages
     mesh = make_mesh(*mesh_shape) if mesh_shape != (1, 1) else None
     runner = ModelRunner(tgt, drf, max_batch=max_batch, num_pages=num_pages, page_size=page_size,
-                         max_pages=max_pages, chunk_sizes=tuple(sorted(chunk_sizes)), kernels=kernels, mesh=mesh)
+                         max_pages=max_pages, chunk_sizes=tuple(sorted(chunk_sizes)), kernels=kernels, mesh=mesh,
+                         kv_dtype=kv_dtype)
     name = target if target_obj is None else getattr(tgt, "source", "target")
     return _engine_on(runner, spec, max_model_len, profile, say, name, sps_table, sps_out, max_waiting, progress)
 
@@ -778,6 +788,8 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
 
 def _summary(runner, spec, sps: SpsTable, name: str) -> str:
     """One line: what is served and how fast the profile says a single request and a full batch will step."""
+    from dspark_jax.target import dtype_name
+
     drafter = runner.drafter.config.kind if runner.drafter is not None else "none"
     ctx = sps.contexts[0] if sps.contexts else 0
     def fastest(b):  # a plain step if profiled, else the smallest pass of that batch bucket
@@ -786,6 +798,7 @@ def _summary(runner, spec, sps: SpsTable, name: str) -> str:
 
     bb = runner.batch_buckets[-1]
     one, full = fastest(1), fastest(bb)
-    return (f"serving {name} (drafter: {drafter}, scheduler: {spec}, max batch {runner.B}): profiled "
+    return (f"serving {name} (drafter: {drafter}, scheduler: {spec}, max batch {runner.B}, "
+            f"{dtype_name(runner.target.dtype)}, KV cache {runner.kv_dtype}): profiled "
             f"{one:.1f} plain steps/s for one request, {full * bb:.0f} tokens/s for a full batch of {bb} "
             f"(context {ctx}, before speculation)")

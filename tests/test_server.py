@@ -567,7 +567,7 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
                      "--api-key", "k", "--max-body-bytes", "40"]) == 0
     assert calls["kw"] == dict(target="smollm2-135m-instruct", drafter=None, scheduler=None, max_batch=16,
                                max_model_len=None, page_size=16, num_pages=None, kernels="auto", mesh_shape=(1, 1),
-                               progress=True, sps_table=None, sps_out=str(sps))
+                               progress=True, sps_table=None, sps_out=str(sps), dtype="auto", kv_dtype="auto")
     assert calls["serve"][:3] == ("127.0.0.1", 8123, "warning") and "/v1/chat/completions" in calls["serve"][3]
     assert "http://127.0.0.1:8123" in capsys.readouterr().out
     assert not calls["engine"]._thread.is_alive()  # main closes the engine on the way out

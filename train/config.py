@@ -1,7 +1,9 @@
 """Training configuration: frozen, keyword-only dataclasses composed into `TrainConfig`, loaded from YAML
 (`configs/*.yaml`) with dotted overrides (`--set optim.steps=10`). Unknown keys are errors.
 
-  target  — which frozen target to distil from (a name, HF directory or .gguf) and its dtype.
+  target  — which frozen target to distil from (a name, HF directory or .gguf) and its dtype: float32, bfloat16
+            or auto (bfloat16 on GPU/TPU, float32 on CPU). It sets the target's compute only: the drafter's
+            master weights and AdamW state are float32 whatever it is (train/distill.py).
   drafter — DrafterConfig overrides (kind, block_size, num_layers, markov_rank, …) on top of the target's defaults.
   data    — prepared ArrayRecord shards (and where their target features are), window length T, anchors per
             sequence A (packed over one shared context), sequences per batch.
@@ -22,9 +24,15 @@ import yaml
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetSection:
     spec: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
+    dtype: str = "float32"  # auto | bfloat16 | float32 (dspark_jax.target.resolve_dtype)
     # For configs validated with jax.eval_shape only: an HF config.json dict instead of loading weights.
     hf_config: dict | None = None
+
+    def __post_init__(self):
+        from dspark_jax.target import DTYPE_CHOICES
+
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"target.dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,9 @@
 """Distilling a drafter from its frozen target (paper §3.3): batches of (sequence, anchor), one jitted step.
 
-Train state is a value: (drafter params, optax state). The target's parameters are an argument of the
-jitted step, never optimised (the drafter's borrowed embedding and LM head stay frozen with them).
+Train state is a value: (drafter params, optax state), both float32 whatever the target's dtype
+(`init_train_state`); the target computes in its own dtype (bf16 where the config says). The target's parameters
+are an argument of the jitted step, never optimised (the drafter's borrowed embedding and LM head stay frozen
+with them).
 Batch (`make_batch`): tokens int32 [B, T] (right-padded), lengths [B], anchors [B] drawn uniformly from
 [max(1, prompt length), length − 2] with an explicit PRNG key, so every anchor has ≥ 1 ground-truth token.
 """
@@ -55,6 +57,20 @@ def sample_anchors(key, lengths, min_anchor):
     """Anchors int32 [B] uniform on [max(1, min_anchor), length − 2] per row."""
     lo = jnp.maximum(jnp.minimum(jnp.maximum(min_anchor, 1), lengths - 2), 1)
     return jax.random.randint(key, lengths.shape, lo, lengths - 1).astype(jnp.int32)
+
+
+def master_params(params):
+    """A float32 copy of drafter parameters (a State or pure dict): the weights the optimizer updates. Under a
+    bfloat16 target (serving casts drafters to it) the drafter still trains in float32: bf16 master weights
+    would round away updates smaller than 2⁻⁸ of a weight, and AdamW's moments are built in the params' dtype."""
+    return jax.tree.map(lambda x: jnp.array(x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype),
+                        params)
+
+
+def init_train_state(params, tx: optax.GradientTransformation):
+    """(float32 master parameters, AdamW state over them): the train state, whatever dtype `params` came in."""
+    params = master_params(params)
+    return params, tx.init(params)
 
 
 def make_batch(key, tokens, lengths, min_anchor, batch_size: int) -> dict:
@@ -134,7 +150,7 @@ def train_drafter(target, drafter: Drafter, sequences, *, steps: int, batch_size
         progress: show a tqdm bar.
 
     Returns:
-        A new `Drafter` with the same config and trained parameters.
+        A new `Drafter` with the same config and trained parameters, in float32 (`master_params`).
     """
     from tqdm.auto import tqdm
 
@@ -144,8 +160,7 @@ def train_drafter(target, drafter: Drafter, sequences, *, steps: int, batch_size
         min_anchor = np.asarray(prompt_lengths, np.int32) - 1
     tx = make_optimizer(lr, steps)
     step_fn = make_train_step(target, drafter, tx, weights)
-    params = jax.tree.map(jnp.array, drafter.params)  # a copy: the step donates its input buffers
-    opt_state = tx.init(params)
+    params, opt_state = init_train_state(drafter.params, tx)  # a copy: the step donates its input buffers
     key = jax.random.key(seed)
     bar = tqdm(range(steps), desc=f"train {drafter.config.kind}", disable=not progress)
     for i in bar:

@@ -28,17 +28,18 @@ from flax import nnx
 
 from train.config import TrainConfig
 from train.data import make_iterator
-from train.distill import make_optimizer, make_train_step
+from train.distill import init_train_state, make_optimizer, make_train_step
 from train.losses import LossWeights
 from train.sharding import make_train_mesh, put_batch, train_shardings
 
 
 def build(cfg: TrainConfig, target=None):
-    """(target, initial drafter) for a config; the target is loaded unless given."""
+    """(target, initial drafter) for a config; the target is loaded unless given, in `target.dtype` ("auto":
+    bfloat16 on GPU/TPU, float32 on CPU). The drafter is float32 whatever the target's dtype (master weights)."""
     from dspark_jax.drafter import init_drafter
-    from dspark_jax.target import load_target
+    from dspark_jax.target import load_target, resolve_dtype
 
-    target = load_target(cfg.target.spec, cfg.target.dtype) if target is None else target
+    target = load_target(cfg.target.spec, resolve_dtype(cfg.target.dtype)) if target is None else target
     overrides = dict(cfg.drafter.overrides)
     if cfg.drafter.draft_vocab_size:  # a reduced draft vocabulary, fixed at the run's first start
         from train.vocab import run_vocabulary
@@ -48,7 +49,7 @@ def build(cfg: TrainConfig, target=None):
                                                   always=target.eos_token_ids,
                                                   shared_file=cfg.drafter.draft_vocab_file)
     drafter = init_drafter(target, kind=cfg.drafter.kind, seed=cfg.drafter.init_seed,
-                           block_size=cfg.drafter.block_size, **overrides)
+                           block_size=cfg.drafter.block_size, dtype=jnp.float32, **overrides)
     return target, drafter
 
 
@@ -116,10 +117,10 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     if carry is not None:
         from dspark_jax.drafter import load_drafter
 
-        drafter = drafter.with_params(load_drafter(carry["drafter"], target).params)
-    params = jax.tree.map(jnp.array, nnx.to_pure_dict(drafter.params))  # a copy: the step donates it
+        # The carry is stored bf16; resumed as float32 master weights (not the target's dtype, as serving loads).
+        drafter = drafter.with_params(load_drafter(carry["drafter"], target, dtype=jnp.float32).params)
+    params, opt_state = init_train_state(nnx.to_pure_dict(drafter.params), tx)  # a copy: the step donates it
     tparams = nnx.to_pure_dict(target.params)
-    opt_state = tx.init(params)
     sh = train_shardings(mesh, params, opt_state, tparams)
     params, opt_state = jax.device_put(params, sh.params), jax.device_put(opt_state, sh.opt)
     tparams = jax.device_put(tparams, sh.target)
