@@ -191,7 +191,7 @@ def entry_point(cmd: list[str]) -> tuple[list[str], list[str]]:
     raise ValueError(f"not a `python -m MODULE` or `python SCRIPT.py` command: {shlex.join(cmd)!r}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def help_text(argv: tuple[str, ...], root: str = ROOT) -> str:
     """`argv --help` run in the repository root; its stdout (an exit status other than 0 is a ValueError)."""
     full = [_python(argv[0]), *argv[1:], "--help"]

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("dspark_jax", "serve", "train", "pallas_kernels")
 NOT_MODULES = {"__init__", "__main__"}
 QUICKSTART = ('pip install -e ".[dev]" && python -m dspark_jax.serve', "python -m pytest -q -n 2 --dist loadfile")
+ROUNDS = r"session[ _-]?[0-9]|(this|next|last|each) session|across sessions"  # the issue's acceptance check
 DOCS = ("docs/serving.md", "docs/training.md", "docs/kernels.md", "docs/benchmarks.md")
 
 
@@ -108,9 +109,15 @@ def test_readme_is_short_and_keeps_the_quickstart_commands():
         assert f"({doc})" in text, f"README.md does not link {doc}"
 
 
-def _markdown_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True, check=True)
-    return [p for p in out.stdout.splitlines() if not p.startswith("tests/")]
+def test_readme_lists_every_server_flag():
+    """The README's server section names every flag `python -m dspark_jax.serve --help` has."""
+    text = _read("README.md")
+    section = re.search(r"^## Server\s*$(.*?)(?=^## )", text, flags=re.M | re.S)
+    assert section, "README.md has no '## Server' section"
+    help_text = check_docs.help_text(("python", "-m", "dspark_jax.serve"))
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", help_text))
+    missing = sorted(f for f in flags - {"--help"} if f"`{f}`" not in section.group(1))
+    assert not missing, f"README.md's server section does not list {missing}"
 
 
 def test_relative_links_resolve():
@@ -130,8 +137,8 @@ def test_no_numbered_round_diary_in_product_text():
     """What the issue's acceptance check runs: no 'session N' / 'this session' wording outside tests, and no
     'issue #N' references in markdown."""
     try:
-        rounds = subprocess.run(["git", "grep", "-ilE", r"session[ _-]?[0-9]|(this|next|last|each) session|across sessions",
-                                 "--", ":!tests"], cwd=ROOT, capture_output=True, text=True)
+        rounds = subprocess.run(["git", "grep", "-ilE", ROUNDS, "--", ":!tests"], cwd=ROOT, capture_output=True,
+                                text=True)
         issues = subprocess.run(["git", "grep", "-ilE", r"issue #[0-9]", "--", "*.md", ":!tests"], cwd=ROOT,
                                 capture_output=True, text=True)
     except FileNotFoundError:
