@@ -3,10 +3,11 @@
 Every ```bash and ```python block of README.md, docs/*.md and train/README.md runs unless the HTML comment on the
 line right above it says otherwise (other fences — ```text, ```yaml, none — are not code and never run):
 
-    (no marker)                    run it for real; it must exit with status 0
+    (no marker) or `run`           run it for real; it must exit with status 0
     <!-- docs-check: slow -->      run it for real; it loads the real SmolLM2 weights (tests/test_docs.py marks it slow)
     <!-- docs-check: help -->      run each command with --help only: its entry point must start and every --flag
-                                   the command uses must appear in that --help (for servers, long runs, accelerators)
+                                   the command uses must appear in that --help (for servers, long runs, accelerators;
+                                   `help: WHY` adds a reason)
     <!-- docs-check: skip: WHY --> not run; WHY is printed (a block needing a running server, a download, a GPU)
 
 Blocks run in a scratch directory holding links to the repository's top-level files and folders (outputs such as
@@ -237,7 +238,8 @@ def check_block(block: Block, root: str = ROOT) -> str:
         if not cmds:
             raise ValueError(f"{block.id}: a help block with no command")
         lines = [line for c in cmds for line in check_help(c, root)]
-        return f"HELP {block.id}: " + "; ".join(lines)
+        why = f" ({block.reason})" if block.reason else ""
+        return f"HELP {block.id}{why}: " + "; ".join(lines)
     t0 = time.perf_counter()
     proc = run_block(block, root)
     if proc.returncode != 0:
