@@ -94,15 +94,18 @@ def cached_attention(q, k_buf, v_buf, positions):
 
 
 def ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *, max_q_len: int,
-                     use_kernel: bool):
+                     use_kernel: bool, layer=None):
     """Attention of a flat bucket of query tokens over paged caches: the Pallas kernel, or its jnp reference
-    (one request at a time, working set [max_q_len, N, S]). Shapes as in ragged_verify_attention."""
+    (one request at a time, working set [max_q_len, N, S]). Shapes as in ragged_verify_attention; with `layer`,
+    stacked pools [num_layers, P, K, page_size, H] read at that layer."""
     from pallas_kernels.ragged_verify_attention import (
         ragged_verify_attention,
         ragged_verify_attention_reference,
     )
 
     if use_kernel:
-        return ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start)
+        return ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, layer=layer)
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     return ragged_verify_attention_reference(q, k_pages, v_pages, block_tables, context_lens, query_start,
                                              max_q_len=max_q_len)

@@ -141,9 +141,10 @@ class Projections(nnx.Module):
     def to_out_in(self) -> None:
         """Stores the weights output-major (see `dense`); the products are the same."""
         if not self.out_in:
+            # The last three axes only: a stacked module (model.stacked_layers) has a leading layer axis.
             for name in ("q", "k", "v"):
-                setattr(self, name, nnx.Param(jnp.transpose(getattr(self, name)[...], (1, 2, 0))))
-            self.o = nnx.Param(jnp.transpose(self.o[...], (2, 0, 1)))
+                setattr(self, name, nnx.Param(jnp.moveaxis(getattr(self, name)[...], -3, -1)))  # [.., N, H, D]
+            self.o = nnx.Param(jnp.moveaxis(self.o[...], -1, -3))  # [.., D, N, H]
             self.out_in = True
 
 
@@ -202,5 +203,5 @@ class SwiGLU(nnx.Module):
         """Stores the weights output-major (see `dense`); the products are the same."""
         if not self.out_in:
             for name in ("gate", "up", "down"):
-                setattr(self, name, nnx.Param(getattr(self, name)[...].T))
+                setattr(self, name, nnx.Param(jnp.swapaxes(getattr(self, name)[...], -1, -2)))
             self.out_in = True

@@ -5,6 +5,10 @@ and speculative verification (T = ℓ+1, padded to a capacity bucket): row b's t
 cache.lengths[b] + t, only the first num_new[b] of them are real, and each query attends causally to its
 own row's cache. It can also return the hidden states of chosen layers, concatenated — what the
 drafter's KV injection reads (paper eq. 2).
+
+The layers are one `DecoderLayer` whose parameters are stacked on a leading layer axis (`layers.attn.q` is
+[num_layers, D, N, H]) and every forward runs them under `lax.scan` (`scan_layers`), as MaxText and gemma do: a
+compiled program holds one layer body, so its size and compile time do not grow with depth.
 """
 
 from __future__ import annotations
@@ -17,6 +21,47 @@ from dspark_jax import kernels as kernels_lib
 from dspark_jax.config import ModelConfig
 from dspark_jax.kv_cache import KVCache, write_kv
 from dspark_jax.layers import Projections, RMSNorm, SwiGLU, apply_rope, attention, rope_inv_freq
+
+
+def stacked_layers(num_layers: int, make, rngs: nnx.Rngs):
+    """`num_layers` copies of the module `make(rngs)` returns, as one module whose parameters carry a leading
+    layer axis (each layer initialised from its own split of `rngs`)."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def build(r):
+        return make(r)
+
+    return build(rngs)
+
+
+def scan_layers(layers: nnx.Module, body, carry, xs=None):
+    """`lax.scan` of `body(layer, carry, x) -> (carry, y)` over a stacked module (`stacked_layers`): layer i is
+    the module over slice i of every parameter; `xs` (a pytree with the same leading axis, or None) is sliced
+    alongside. The layer index is `carry`'s business where the body needs it."""
+    graphdef, state = nnx.split(layers)
+
+    def step(c, sx):
+        s, x = sx
+        return body(nnx.merge(graphdef, s), c, x)
+
+    return jax.lax.scan(step, carry, (state, xs))
+
+
+def hidden_slots(num_layers: int, hidden_layers: tuple[int, ...]) -> jax.Array:
+    """int32 [num_layers]: where layer i's output goes in the saved-hidden buffer (its index in
+    `hidden_layers`), or len(hidden_layers) — one past the buffer, a dropped write — for layers not asked for."""
+    slots = [len(hidden_layers)] * num_layers
+    for j, i in enumerate(hidden_layers):
+        if not 0 <= i < num_layers:
+            raise ValueError(f"hidden layer {i} out of range for a {num_layers}-layer target")
+        slots[i] = j
+    return jnp.asarray(slots, jnp.int32)
+
+
+def concat_saved(saved: jax.Array) -> jax.Array:
+    """The saved-hidden buffer [m, ..., D] → float32 [..., m·D], layers in `hidden_layers` order."""
+    return jnp.concatenate(list(saved), -1).astype(jnp.float32)
 
 
 def tied_head(h: jax.Array, embed: jax.Array) -> jax.Array:
@@ -68,7 +113,7 @@ class Decoder(nnx.Module):
         self.dtype = dtype
         self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
                                                                dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = stacked_layers(cfg.num_layers, lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r), rngs)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
@@ -115,15 +160,19 @@ class Decoder(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
 
         x = self.embed_tokens(tokens)
-        ks, vs, saved = [], [], {}
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], mask, kernels)
-            ks.append(k)
-            vs.append(v)
-            if i in hidden_layers:
-                saved[i] = x
-        hidden = jnp.concatenate([saved[i] for i in hidden_layers], -1).astype(jnp.float32) if hidden_layers \
-            else None
+        slots = hidden_slots(self.cfg.num_layers, tuple(hidden_layers))
+        saved = jnp.zeros((len(hidden_layers), *x.shape), x.dtype)
+
+        def body(layer, carry, kv):
+            x, saved, i = carry
+            x, k, v = layer(x, positions, inv_freq, kv[0], kv[1], mask, kernels)
+            if hidden_layers:
+                saved = saved.at[slots[i]].set(x, mode="drop")
+            return (x, saved, i + 1), (k, v)
+
+        (x, saved, _), (ks, vs) = scan_layers(self.layers, body, (x, saved, 0),
+                                              (jnp.stack(cache.k), jnp.stack(cache.v)))
+        hidden = concat_saved(saved) if hidden_layers else None
         new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new.astype(jnp.int32))
         h = self.final_norm(x)
         return (self.head(h) if compute_logits else h), new_cache, hidden

@@ -1,8 +1,10 @@
 """Paged KV caches and the flat (ragged) forward that serving runs on them.
 
-Layout (the ragged verification kernel's, pallas_kernels/ragged_verify_attention.py): per layer
-k, v [P, K, page_size, H] — a pool of P pages shared by all requests. Request slot b owns the pages
-block_tables[b, :] in order, so its cache position p lives at (block_tables[b, p // page_size], p % page_size).
+Layout (the ragged verification kernel's, pallas_kernels/ragged_verify_attention.py, per layer): k, v
+[num_layers, P, K, page_size, H] — per layer a pool of P pages shared by all requests, the layers stacked as
+the target's stacked parameters are (model.stacked_layers), so the forward scans over both. Request slot b
+owns the pages block_tables[b, :] in order, so its cache position p lives at
+(block_tables[b, p // page_size], p % page_size).
 The host allocates pages (serve/pages.py); the device only reads tables. Page id P (one past the pool) is the
 "no page" sentinel: writes there are dropped.
 
@@ -25,16 +27,16 @@ from flax import struct
 from dspark_jax import kernels as kernels_lib
 from dspark_jax.drafter_model import DrafterModel
 from dspark_jax.layers import rope_angles, rope_inv_freq, rotate
-from dspark_jax.model import Decoder
+from dspark_jax.model import Decoder, concat_saved, hidden_slots, scan_layers
 
 
 @struct.dataclass
 class PagedKV:
-    """k, v: tuples over layers of [P, K, page_size, H]; feat: the drafter's context entries H_ctx
-    [P, 1, page_size, D] when its anchor slot reads H_ctx[n−1] (`anchor_feature`), else None."""
+    """k, v: [num_layers, P, K, page_size, H]; feat: the drafter's context entries H_ctx [P, 1, page_size, D]
+    when its anchor slot reads H_ctx[n−1] (`anchor_feature`), else None."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
     feat: jax.Array | None = None
 
     @classmethod
@@ -43,19 +45,18 @@ class PagedKV:
         """Zero pools; with `sharding` (dspark_jax/sharding.py's `paged_sharding`) each device allocates only
         its own shard, so a pool larger than one device's memory can be built on a mesh. `feature_dim` > 0 adds
         the pool of context entries (`feat`), placed by `feature_sharding`."""
-        shape = (num_pages, num_kv_heads, page_size, head_dim)
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         feat = (jnp.zeros((num_pages, 1, page_size, feature_dim), dtype, device=feature_sharding)
                 if feature_dim else None)
-        return cls(k=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)), feat=feat)
+        return cls(k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding), feat=feat)
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[3]
 
 
 def page_slots(block_tables, slot, pos, valid, num_pages: int, page_size: int):
@@ -64,9 +65,18 @@ def page_slots(block_tables, slot, pos, valid, num_pages: int, page_size: int):
     return jnp.where(valid, page, num_pages), pos % page_size
 
 
-def write_pages(pages: jax.Array, new: jax.Array, page, offset) -> jax.Array:
-    """pages [P, K, page_size, H] ← new [T, K, H] at (page [T], offset [T]); page ≥ P is dropped."""
-    return pages.at[page, :, offset].set(new.astype(pages.dtype), mode="drop")
+def write_pages(pages: jax.Array, new: jax.Array, page, offset, layer=None) -> jax.Array:
+    """pages [P, K, page_size, H] ← new [T, K, H] at (page [T], offset [T]); page ≥ P is dropped. With `layer`
+    (a traced index), pages is a stacked pool [num_layers, P, K, page_size, H] written in place at that layer."""
+    if layer is None:
+        return pages.at[page, :, offset].set(new.astype(pages.dtype), mode="drop")
+    return pages.at[layer, page, :, offset].set(new.astype(pages.dtype), mode="drop")
+
+
+def _gather_pages(pages: jax.Array, ids, layer):
+    """pages[ids] of a pool [P, ...], or pages[layer, ids] of a stacked pool: one gather either way, so a layer's
+    pool is never sliced out (a copy of the whole pool) to read a few pages of it."""
+    return pages[ids] if layer is None else pages[layer, ids]
 
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -78,7 +88,7 @@ def _chunk_positions(page_size: int, chunk_tokens: int) -> int:
 
 
 def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_pos=None, *,
-                            chunk_tokens: int = 128, num_queries=None, query_groups: int = 4):
+                            chunk_tokens: int = 128, num_queries=None, query_groups: int = 4, layer=None):
     """Online-softmax attention of dense query blocks over each request's *used* pages (the CPU path).
 
     A `lax.while_loop` walks the page tables in chunks of `chunk_tokens` positions up to the longest context
@@ -95,7 +105,7 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
 
     Args:
         q: [R, Q, N, H] queries of request r.
-        k_pages, v_pages: [P, K, page_size, H].
+        k_pages, v_pages: [P, K, page_size, H], or stacked pools [num_layers, P, K, page_size, H] read at `layer`.
         block_tables: int32 [R, M]; context_lens: int32 [R] (keys 0..context_lens[r]−1 exist).
         q_pos: int32 [R, Q] absolute query positions for a causal mask (key pos ≤ query pos), or None
             (every existing key visible: the drafter's context).
@@ -114,7 +124,7 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
         dense block of extra keys first.
     """
     R, Q, N, H = q.shape
-    P, K, ps, _ = k_pages.shape
+    P, K, ps, _ = k_pages.shape[-4:]
     block_tables, context_lens = jnp.asarray(block_tables), jnp.asarray(context_lens)
     M = block_tables.shape[1]
     G = N // K
@@ -147,8 +157,8 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
         pages = jnp.clip(block_tables[:, idx], 0, P - 1)  # [R, cp]
         kpos = c * S + jnp.arange(S)  # [S]
         exists = kpos[None] < context_lens[:, None]  # [R, S]
-        k = k_pages[pages].astype(jnp.float32)  # [R, cp, K, ps, H]
-        v = jnp.where(exists.reshape(R, cp, 1, ps, 1), v_pages[pages].astype(jnp.float32), 0.0)
+        k = _gather_pages(k_pages, pages, layer).astype(jnp.float32)  # [R, cp, K, ps, H]
+        v = jnp.where(exists.reshape(R, cp, 1, ps, 1), _gather_pages(v_pages, pages, layer).astype(jnp.float32), 0.0)
         if groups == 1:
             return scores_update(state, qm, qpos, exists, kpos, k, v)
 
@@ -214,10 +224,11 @@ def finish_attention(state, dtype, num_queries: int) -> jax.Array:
 
 
 def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *, max_q_len: int,
-                             chunk_tokens: int = 128):
+                             chunk_tokens: int = 128, layer=None):
     """Plain-jnp ragged paged attention (the CPU path; the Pallas kernel serves GPU/TPU and
     `ragged_verify_attention_reference` stays the oracle). Same contract as the kernel:
-    q [T, N, H], pages [P, K, page_size, H], block_tables [R, M], context_lens [R], query_start [R+1] → [T, N, H].
+    q [T, N, H], pages [P, K, page_size, H], block_tables [R, M], context_lens [R], query_start [R+1] → [T, N, H]
+    (stacked pools [num_layers, P, K, page_size, H] are read at `layer`, see `paged_attention_partial`).
 
     Each request's ≤ max_q_len queries are gathered into a dense [R, Q, N, H] block; attention then walks only
     the pages in use (`paged_attention_partial`), causally by absolute position, and computes only the query
@@ -233,7 +244,7 @@ def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, qu
     qr = q[jnp.clip(rows, 0, T - 1)]  # [R, Q, N, H]
     pos = (context_lens - q_len)[:, None] + i  # absolute position of each query [R, Q]
     state = paged_attention_partial(qr, k_pages, v_pages, block_tables, context_lens, pos,
-                                    chunk_tokens=chunk_tokens, num_queries=jnp.max(q_len))
+                                    chunk_tokens=chunk_tokens, num_queries=jnp.max(q_len), layer=layer)
     o = finish_attention(state, jnp.float32, Q)
     o = jnp.where(valid[:, :, None, None], o, 0.0).reshape(-1, N, H)
     dest = jnp.where(valid, rows, T).reshape(-1)  # T = dropped
@@ -262,26 +273,30 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
     use_kernel = kernels_lib.KernelConfig.parse(kernels).pallas("attention")
     x = model.embed_tokens(tokens[None])  # [1, T, D]
     angles = rope_angles(pos[None], rope_inv_freq(cfg.rope, cfg.head_dim), x.dtype)
-    ks, vs, saved = [], [], {}
-    for i, layer in enumerate(model.layers):
+    slots = hidden_slots(cfg.num_layers, tuple(hidden_layers))
+    saved = jnp.zeros((len(hidden_layers), *x.shape[1:]), x.dtype)
+
+    def body(layer, carry, _):
+        x, k_pool, v_pool, saved, i = carry
         q, k, v = layer.attn.qkv(layer.attn_norm(x))
         q, k = rotate(q, angles), rotate(k, angles)
-        k_pages, v_pages = write_pages(kv.k[i], k[0], page, off), write_pages(kv.v[i], v[0], page, off)
+        # The pools ride in the carry and are written in place at layer i (the round's programs donate them).
+        k_pool, v_pool = write_pages(k_pool, k[0], page, off, i), write_pages(v_pool, v[0], page, off, i)
         if use_kernel:
-            a = kernels_lib.ragged_attention(q[0], k_pages, v_pages, block_tables, context_lens, query_start,
-                                             max_q_len=max_q_len, use_kernel=True)
+            a = kernels_lib.ragged_attention(q[0], k_pool, v_pool, block_tables, context_lens, query_start,
+                                             max_q_len=max_q_len, use_kernel=True, layer=i)
         else:
-            a = batched_ragged_attention(q[0], k_pages, v_pages, block_tables, context_lens, query_start,
-                                         max_q_len=max_q_len)
+            a = batched_ragged_attention(q[0], k_pool, v_pool, block_tables, context_lens, query_start,
+                                         max_q_len=max_q_len, layer=i)
         x = x + layer.attn.out(a[None])
         x = x + layer.mlp(layer.mlp_norm(x))
-        ks.append(k_pages)
-        vs.append(v_pages)
-        if i in hidden_layers:
-            saved[i] = x[0]
-    hidden = jnp.concatenate([saved[i] for i in hidden_layers], -1).astype(jnp.float32) if hidden_layers \
-        else None
-    return model.final_norm(x)[0], PagedKV(k=tuple(ks), v=tuple(vs)), hidden
+        if hidden_layers:
+            saved = saved.at[slots[i]].set(x[0], mode="drop")
+        return (x, k_pool, v_pool, saved, i + 1), None
+
+    (x, k_pool, v_pool, saved, _), _ = scan_layers(model.layers, body, (x, kv.k, kv.v, saved, 0))
+    hidden = concat_saved(saved) if hidden_layers else None
+    return model.final_norm(x)[0], PagedKV(k=k_pool, v=v_pool), hidden
 
 
 def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid, block_tables) -> PagedKV:
@@ -293,13 +308,12 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
     page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
     h = model.project_features(feats[None])  # [1, T, D]
     inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
-    ks, vs = [], []
-    for i, layer in enumerate(model.layers):
+    k_pool, v_pool = kv.k, kv.v
+    for i, layer in enumerate(model.layers):  # a drafter's few layers, unrolled
         k, v = layer.context_kv(h, pos[None], inv_freq)
-        ks.append(write_pages(kv.k[i], k[0], page, off))
-        vs.append(write_pages(kv.v[i], v[0], page, off))
+        k_pool, v_pool = write_pages(k_pool, k[0], page, off, i), write_pages(v_pool, v[0], page, off, i)
     feat = write_pages(kv.feat, h[0][:, None], page, off) if model.cfg.anchor_feature else kv.feat
-    return PagedKV(k=tuple(ks), v=tuple(vs), feat=feat)
+    return PagedKV(k=k_pool, v=v_pool, feat=feat)
 
 
 def last_context_entry(kv: PagedKV, block_tables, lengths) -> jax.Array:
@@ -325,8 +339,8 @@ def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tab
     for i, layer in enumerate(model.layers):
         q, k, v = layer.attn.qkv(layer.attn_norm(x))
         q, k = rotate(q, angles), rotate(k, angles)
-        state = paged_attention_partial(q, kv.k[i], kv.v[i], block_tables, lengths, None,
-                                        chunk_tokens=chunk_tokens)
+        state = paged_attention_partial(q, kv.k, kv.v, block_tables, lengths, None, chunk_tokens=chunk_tokens,
+                                        layer=i)
         a = finish_attention(merge_block_keys(state, q, k, v, block_mask), x.dtype, n_in)
         x = x + layer.attn.out(a)
         x = x + layer.mlp(layer.mlp_norm(x))

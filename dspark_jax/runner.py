@@ -151,11 +151,17 @@ def _logprob_outputs(logits, tokens, want, rows=None):
     With `rows` [..], logits are the pass's flat rows [T, V] and the tokens' rows are gathered inside the taken
     branch: a gather outside it ([Bb, L+1, V], tens of MB at 16 rows) ran on every pass, asked or not, and
     made a dspark plain step ~10% dearer than a target-only one."""
+    return _logprobs_if(want, lambda: logits if rows is None else logits[rows], tokens, logits.shape[-1])
+
+
+def _logprobs_if(want, make_logits, tokens, vocab: int):
+    """(logprob of each of `tokens` [..], top ids [.., k], top logprobs [.., k]) under the logits [.., V] that
+    `make_logits()` builds inside the taken branch (so what it costs is paid only when `want`), else zeros."""
     shape = tokens.shape
-    k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
+    k = min(NUM_TOP_LOGPROBS, vocab)
 
     def compute():
-        lp = jax.nn.log_softmax((logits if rows is None else logits[rows]).astype(jnp.float32), axis=-1)
+        lp = jax.nn.log_softmax(make_logits().astype(jnp.float32), axis=-1)
         chosen = jnp.take_along_axis(lp, jnp.clip(tokens, 0, lp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
         top_lp, top_ids = jax.lax.top_k(lp, k)
         return chosen, top_ids.astype(jnp.int32), top_lp
@@ -197,10 +203,12 @@ def _pool_key(kv: PagedKV, tables) -> tuple[int, int]:
 # ---- programs ---------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("tg", "dg", "hidden_layers", "kernels"), donate_argnames=("tkv", "dkv"))
 def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row, key, temp, top_k, top_p,
-                    want_logprobs, *, tg, dg, hidden_layers, kernels):
+                    want_logprobs, next_tokens, want_prompt_logprobs, *, tg, dg, hidden_layers, kernels):
     """One chunk of one request's prompt at positions start..start+C−1 (C = the chunk bucket, n_real real):
     target K/V and the drafter's context written to its pages; returns the token sampled after the chunk's
-    last real position (round 0 of the request's key) and its logprobs."""
+    last real position (round 0 of the request's key), its logprobs, and the prompt logprobs: row j scores
+    `next_tokens[j]` [C] (the prompt token at position start+j+1) under the target's logits at row j — the LM
+    head over every row of the chunk, computed only when `want_prompt_logprobs` (zeros otherwise)."""
     TRACES[_model_key(tg, dg), _pool_key(tkv, table_row), "prefill", tokens.shape[0]] += 1
     target = nnx.merge(tg.value, tparams)
     C = tokens.shape[0]
@@ -216,7 +224,8 @@ def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row
     keys = round_keys(key[None], jnp.zeros((1,), jnp.int32), VERIFY)
     tok = sample(keys, filter_probs(logits, temp[None], top_k[None], top_p[None]), temp <= 0.0)
     lp = _logprob_outputs(logits, tok, want_logprobs)
-    return tkv, dkv, tok[0], jax.tree.map(lambda x: x[0], lp)
+    prompt_lp = _logprobs_if(want_prompt_logprobs, lambda: target.head(h), next_tokens, logits.shape[-1])
+    return tkv, dkv, tok[0], jax.tree.map(lambda x: x[0], lp), prompt_lp
 
 
 @functools.partial(jax.jit, static_argnames=("dg", "tied", "kernels"))
@@ -360,8 +369,7 @@ class ModelRunner:
                                     sharding=paged_sharding(mesh, dc.num_kv_heads) if mesh is not None
                                     else self._placement,
                                     feature_dim=dc.hidden_size if dc.anchor_feature else 0,
-                                    feature_sharding=paged_sharding(mesh, 1) if mesh is not None
-                                    else self._placement)
+                                    feature_sharding=self._placement)  # replicated: one small pool
         if mesh is not None:
             from dspark_jax.sharding import shard_params
 
@@ -405,23 +413,33 @@ class ModelRunner:
 
     # ---- programs ---------------------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
-                logprobs: bool = False):
-        """Runs one chunk (≤ the largest chunk bucket) → (token sampled after it, its logprobs or None)."""
+                logprobs: bool = False, prompt_targets=None):
+        """Runs one chunk (≤ the largest chunk bucket) → (token sampled after it, its logprobs or None, prompt
+        logprobs or None). `prompt_targets`: the prompt tokens after the chunk's first len(prompt_targets)
+        positions (≤ the chunk's length); then the prompt logprobs are (logprob [n], top ids [n, k], top
+        logprobs [n, k]) of each under the target's distribution at the position before it."""
         n = len(tokens)
         C = pick(n, self.chunk_sizes)
         buf = np.zeros(C, np.int32)
         buf[:n] = tokens
+        targets = np.zeros(C, np.int32)
+        n_targets = 0 if prompt_targets is None else len(prompt_targets)
+        if n_targets > n:
+            raise ValueError(f"{n_targets} prompt targets for a chunk of {n} tokens")
+        if n_targets:
+            targets[:n_targets] = prompt_targets
         s = self._static
         args = self._put((buf, np.int32(start), np.int32(n), np.asarray(table_row, np.int32)[None],
                           np.asarray(key, np.uint32), np.float32(temperature), np.int32(top_k), np.float32(top_p),
-                          np.bool_(logprobs)))  # one upload for the chunk's values
-        self.tkv, self.dkv, tok, lp = prefill_program(
+                          np.bool_(logprobs), targets, np.bool_(n_targets > 0)))  # one upload for the chunk
+        self.tkv, self.dkv, tok, lp, prompt_lp = prefill_program(
             self.tparams, self.dparams, self.tkv, self.dkv, *args, tg=s["tg"], dg=s["dg"],
             hidden_layers=s["hidden_layers"], kernels=s["kernels"])
-        if not logprobs:
-            return int(tok), None
-        tok, lp = jax.device_get((tok, lp))
-        return int(tok), lp
+        if not logprobs and not n_targets:
+            return int(tok), None, None
+        tok, lp, prompt_lp = jax.device_get((tok, lp if logprobs else None, prompt_lp if n_targets else None))
+        prompt_lp = None if prompt_lp is None else tuple(x[:n_targets] for x in prompt_lp)
+        return int(tok), lp, prompt_lp
 
     def _put(self, x):
         """A host value (or pytree of them) on device, committed to the runner's one batch placement."""
@@ -538,40 +556,50 @@ class ModelRunner:
         """Compiles every program at every shape a step can take (writes go to the dropped sentinel page).
 
         plain: also the plain steps (no draft pass) a scheduler may choose. progress: callable(done, total)."""
-        sentinel = [self.num_pages] * self.max_pages
-        shapes = self.verify_shapes(max_draft)
-        jobs = [("prefill", c) for c in self.chunk_sizes]
-        if self.drafter is not None:
-            jobs += [("draft", bb) for bb in self.batch_buckets]
-        jobs += [("verify", bb, cap, mode) for bb, cap in shapes for mode in modes]
-        if plain and self.drafter is not None:  # plain steps (no draft pass) at one token per row
-            jobs += [("verify", bb, cap, "plain") for bb, cap in self.plain_shapes()]
-        jobs += [("advance", bb) for bb in self.batch_buckets]  # the on-device bookkeeping of chained rounds
+        jobs = self.warmup_jobs(modes, max_draft, plain)
         for i, job in enumerate(jobs):
-            if job[0] == "advance":
-                dev = self.device_batch(self.empty_batch(job[1]))
-                zeros = self._put(np.zeros((job[1],), np.int32))  # placed as a verify pass's outputs are
-                emitted = self._put(np.zeros((job[1], self.L + 1), np.int32))
-                jax.block_until_ready(self.advance(dev, Pass(emitted, zeros, zeros, zeros, None, None, 0),
-                                                   np.zeros((job[1], self.max_pages), np.int32)))
-            elif job[0] == "prefill":
-                self.prefill([0] * job[1], 0, sentinel, np.zeros(2, np.uint32), 0.0, 0, 1.0)
-            elif job[0] == "draft":
-                b = self.empty_batch(job[1])
-                b.rows = 0
-                jax.block_until_ready(self.draft(b))
-            else:
-                _, bb, cap, mode = job
-                b = self.empty_batch(bb)
-                b.rows = 0
-                if mode == "topk":  # (a budget of 0 would run the plain program: `dispatch`)
-                    self.step(b, capacity=cap, budget=1)
-                elif mode == "plain":
-                    self.step(b, capacity=cap, drafts="skip")
-                else:
-                    self.step(b, capacity=cap, lengths=np.zeros(bb, np.int32))
+            self.run_warmup_job(job)
             if progress is not None:
                 progress(i + 1, len(jobs))
+
+    def warmup_jobs(self, modes: tuple[str, ...], max_draft: int | None = None, plain: bool = False) -> list[tuple]:
+        """The programs `warmup` compiles, one job each, smallest batch bucket first (what one request needs
+        comes early): ("prefill", chunk), ("draft", bucket), ("verify", bucket, capacity, mode), ("advance",
+        bucket)."""
+        jobs = [("prefill", c) for c in self.chunk_sizes]
+        for bb in self.batch_buckets:
+            jobs.append(("advance", bb))  # the on-device bookkeeping of chained rounds
+            if plain and self.drafter is not None:  # plain steps (no draft pass) at one token per row
+                jobs += [("verify", b, cap, "plain") for b, cap in self.plain_shapes() if b == bb]
+            if self.drafter is not None:
+                jobs.append(("draft", bb))
+            jobs += [("verify", b, cap, mode) for b, cap in self.verify_shapes(max_draft) if b == bb for mode in modes]
+        return jobs
+
+    def run_warmup_job(self, job: tuple) -> None:
+        """Compiles (and runs once, writing only to the dropped sentinel page) one `warmup_jobs` entry."""
+        if job[0] == "advance":
+            dev = self.device_batch(self.empty_batch(job[1]))
+            zeros = self._put(np.zeros((job[1],), np.int32))  # placed as a verify pass's outputs are
+            emitted = self._put(np.zeros((job[1], self.L + 1), np.int32))
+            jax.block_until_ready(self.advance(dev, Pass(emitted, zeros, zeros, zeros, None, None, 0),
+                                               np.zeros((job[1], self.max_pages), np.int32)))
+        elif job[0] == "prefill":
+            self.prefill([0] * job[1], 0, [self.num_pages] * self.max_pages, np.zeros(2, np.uint32), 0.0, 0, 1.0)
+        elif job[0] == "draft":
+            b = self.empty_batch(job[1])
+            b.rows = 0
+            jax.block_until_ready(self.draft(b))
+        else:
+            _, bb, cap, mode = job
+            b = self.empty_batch(bb)
+            b.rows = 0
+            if mode == "topk":  # (a budget of 0 would run the plain program: `dispatch`)
+                self.step(b, capacity=cap, budget=1)
+            elif mode == "plain":
+                self.step(b, capacity=cap, drafts="skip")
+            else:
+                self.step(b, capacity=cap, lengths=np.zeros(bb, np.int32))
 
     def _timed_run(self, b: StepBatch, repeats: int, **dispatch) -> float:
         """Steps/s of `repeats` steps of one shape dispatched back to back (each behind the last, as the engine
@@ -610,8 +638,19 @@ class ModelRunner:
         pass, one token per row) of every batch bucket → {bucket: steps/s} (else empty). Each batch bucket's
         shapes, its plain step among them, are timed interleaved (`_profile_shapes`). Writes go to dropped
         pages."""
-        context = max(0, min(context, self.max_pages * self.page_size - self.L - 2))
         table, plain_table = {}, {}
+        for done, total, full, plain_steps in self.profile_buckets(mode, context, repeats, max_draft, plain, blocks):
+            table.update(full)
+            plain_table.update(plain_steps)
+            if progress is not None:
+                progress(done, total)
+        return table, plain_table
+
+    def profile_buckets(self, mode: str, context: int = 256, repeats: int = 3, max_draft: int | None = None,
+                        plain: bool = False, blocks: int = PROFILE_BLOCKS):
+        """`profile` one batch bucket at a time: yields (shapes done, shapes in all, {(bucket, capacity):
+        steps/s}, {bucket: plain steps/s}) after each bucket, so a caller can interleave other work."""
+        context = max(0, min(context, self.max_pages * self.page_size - self.L - 2))
         by_bucket: dict[int, dict] = {}
         for bb, cap in self.verify_shapes(max_draft):
             rows = min(bb, cap)
@@ -630,15 +669,14 @@ class ModelRunner:
                 by_bucket.setdefault(bb, {})["plain", bb] = (b, dict(capacity=cap, drafts="skip"))
         done, total = 0, sum(len(v) for v in by_bucket.values())
         for bb in sorted(by_bucket):
+            table, plain_table = {}, {}
             for key, v in self._profile_shapes(by_bucket[bb], repeats, blocks).items():
                 if key[0] == "plain":
                     plain_table[bb] = v
                 else:
                     table[key] = v
             done += len(by_bucket[bb])
-            if progress is not None:
-                progress(done, total)
-        return table, plain_table
+            yield done, total, table, plain_table
 
 
 def _now() -> float:

@@ -28,10 +28,10 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 # The KV cache [B, K, S, H]: rows over `data`, KV heads over `model`.
 CACHE_AXES = ("data", "model", None, None)
-# The serving engine's page pools [P, K, page_size, H]: KV heads over `model`, as the attention weights that
-# write them. Pages are not split over `data`: any request may own any page, so each data replica holds the
+# The serving engine's page pools [num_layers, P, K, page_size, H]: KV heads over `model`, as the attention
+# weights that write them. Pages are not split over `data`: any request may own any page, so each data replica holds the
 # whole pool (the engine's batch is not split over `data` either: on a mesh with data > 1 it is replicated).
-PAGED_AXES = (None, "model", None, None)
+PAGED_AXES = (None, None, "model", None, None)
 
 
 def make_mesh(data: int = 1, model: int = 1) -> jax.sharding.Mesh:
@@ -52,6 +52,8 @@ def param_spec(path: str, shape: tuple[int, ...], mesh) -> PartitionSpec:
     """The PartitionSpec of one parameter (replicated if no rule matches: norms, small vectors)."""
     for rx, axes in PARAM_RULES:
         if re.fullmatch(rx, path):
+            if len(shape) == len(axes) + 1:  # the target's stacked layers ([num_layers, ...]): layers replicated
+                axes = (None, *axes)
             return _spec(axes, shape, mesh)
     return PartitionSpec()
 
@@ -75,5 +77,6 @@ def shard_cache(cache: KVCache, mesh) -> KVCache:
 
 
 def paged_sharding(mesh, num_kv_heads: int) -> NamedSharding:
-    """The sharding of a page pool [P, K, page_size, H] on `mesh` (KV heads over `model` when they divide)."""
-    return NamedSharding(mesh, _spec(PAGED_AXES, (1, num_kv_heads, 1, 1), mesh))
+    """The sharding of a page pool [num_layers, P, K, page_size, H] on `mesh` (KV heads over `model` when they
+    divide)."""
+    return NamedSharding(mesh, _spec(PAGED_AXES, (1, 1, num_kv_heads, 1, 1), mesh))

@@ -107,9 +107,8 @@ class Target:
             return self.graphdef, self.params
         if self._served is None or self._served[0] is not self.params:
             model = nnx.merge(self.graphdef, self.params)
-            for layer in model.layers:
-                layer.attn.to_out_in()
-                layer.mlp.to_out_in()
+            model.layers.attn.to_out_in()  # every layer at once (stacked)
+            model.layers.mlp.to_out_in()
             self._served = (self.params, *nnx.split(model))
         return self._served[1], self._served[2]
 

@@ -130,13 +130,34 @@ def read_hf_dir(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
     return config, tensors
 
 
+def stack_layers(params: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
+    """{"layers.{i}.<name>": [...]} for every layer i → {"layers.<name>": [num_layers, ...]}: the Decoder's
+    stacked layer (model.stacked_layers). A name some layers lack, or one past the last layer, is an error."""
+    out, per_layer = {}, {}
+    for path, w in params.items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", path)
+        if m is None:
+            out[path] = w
+        else:
+            per_layer.setdefault(m.group(2), {})[int(m.group(1))] = w
+    for name, ws in per_layer.items():
+        lacking = sorted(set(range(num_layers)) - set(ws))
+        if lacking:
+            raise ValueError(f"checkpoint lacks layers.N.{name} for layers {lacking[:5]} (of {num_layers})")
+        if len(ws) > num_layers:
+            raise ValueError(f"checkpoint has tensors this config does not use: layers.N.{name} for layers "
+                             f"{sorted(set(ws) - set(range(num_layers)))[:5]} (the config has {num_layers})")
+        out[f"layers.{name}"] = np.stack([ws[i] for i in range(num_layers)])
+    return out
+
+
 def build_decoder(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> Decoder:
     """Creates a Decoder whose parameters are exactly `tensors` (HF names), cast to `dtype`."""
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(state))
     wanted = {".".join(str(p) for p in k): (k, v) for k, v in flat.items()}
-    ours = map_hf_tensors(tensors, cfg)
+    ours = stack_layers(map_hf_tensors(tensors, cfg), cfg.num_layers)
     missing = sorted(set(wanted) - set(ours))
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")

@@ -111,11 +111,11 @@ def _finish(l, acc, dtype):
     return (acc / jnp.where(l == 0.0, 1.0, l)).astype(dtype)  # l == 0 only for empty tiles
 
 
-def _loop_kernel(req_ref, pos0_ref, nkeys_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, group, sm_scale,
+def _loop_kernel(req_ref, pos0_ref, nkeys_ref, layer_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, group, sm_scale,
                  block_kv, page_size, precision):
     """GPU / interpreter driver, program (tile t, KV head h): loop over the tile's KV blocks in HBM."""
     t, h = pl.program_id(0), pl.program_id(1)
-    r, pos0, n_keys = req_ref[t], pos0_ref[t], nkeys_ref[t]
+    r, pos0, n_keys, layer = req_ref[t], pos0_ref[t], nkeys_ref[t], layer_ref[0]
     q = q_ref[...]  # [M, H]
     blocks_per_page = page_size // block_kv
 
@@ -123,8 +123,8 @@ def _loop_kernel(req_ref, pos0_ref, nkeys_ref, bt_ref, q_ref, k_ref, v_ref, o_re
         # lax.div / lax.rem (j ≥ 0): jnp's floor-division wrappers emit a select Triton's lowering mistypes
         page = bt_ref[r, lax.div(j, blocks_per_page)]
         off = pl.multiple_of(lax.rem(j, blocks_per_page) * block_kv, block_kv)
-        k = k_ref[page, h, pl.ds(off, block_kv), :]
-        v = v_ref[page, h, pl.ds(off, block_kv), :]
+        k = k_ref[layer, page, h, pl.ds(off, block_kv), :]
+        v = v_ref[layer, page, h, pl.ds(off, block_kv), :]
         return _online_softmax_step(q, k, v, j * block_kv, pos0, n_keys, carry, group=group, sm_scale=sm_scale,
                                     precision=precision)
 
@@ -132,7 +132,7 @@ def _loop_kernel(req_ref, pos0_ref, nkeys_ref, bt_ref, q_ref, k_ref, v_ref, o_re
     o_ref[...] = _finish(l, acc, o_ref.dtype)
 
 
-def _grid_kernel(req_ref, pos0_ref, nkeys_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *,
+def _grid_kernel(req_ref, pos0_ref, nkeys_ref, layer_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *,
                  group, sm_scale, block_kv, precision):
     """TPU driver, grid step (tile t, KV head h, KV block j): K/V blocks arrive by BlockSpec (page lookup)."""
     t, j = pl.program_id(0), pl.program_id(2)
@@ -172,9 +172,10 @@ def _tile_table(context_lens, query_start, T: int, block_q: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, cfg: _Config):
+def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, layer, cfg: _Config):
+    """k_pages, v_pages: stacked pools [num_layers, P, K, page_size, H] read at `layer` (int32 [1])."""
     T, N, H = q.shape
-    P, K, page_size, _ = k_pages.shape
+    _, P, K, page_size, _ = k_pages.shape
     G, bq, bkv, M = N // K, cfg.block_q, cfg.block_kv, cfg.rows
     req, pos0, n_keys, row0, n_q, n_tiles = _tile_table(context_lens, query_start, T, bq)
     block_tables = jnp.clip(block_tables, 0, P - 1)  # entries past a request's pages may hold anything
@@ -187,7 +188,7 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
 
     kernel_kw = dict(group=G, sm_scale=cfg.sm_scale, block_kv=bkv,
                      precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
-    scalars = (req, pos0, n_keys)
+    scalars = (req, pos0, n_keys, layer)
     out_shape = jax.ShapeDtypeStruct((n_tiles, K, M, H), q.dtype)
     if cfg.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
@@ -195,17 +196,17 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
         blocks_per_page = page_size // bkv
         n_blocks = block_tables.shape[1] * blocks_per_page
 
-        def kv_map(t, h, j, req, pos0, n_keys, bt):
+        def kv_map(t, h, j, req, pos0, n_keys, layer, bt):
             # Past the tile's last block: repeat it (same block index → Mosaic skips the DMA; compute is skipped).
             j = jnp.clip(jnp.minimum(j, (n_keys[t] - 1) // bkv), 0, n_blocks - 1)
-            return bt[req[t] * block_tables.shape[1] + j // blocks_per_page], h, j % blocks_per_page, 0
+            return layer[0], bt[req[t] * block_tables.shape[1] + j // blocks_per_page], h, j % blocks_per_page, 0
 
         tile_spec = pl.BlockSpec((None, None, M, H), lambda t, h, j, *_: (t, h, 0, 0))
-        kv_spec = pl.BlockSpec((None, None, bkv, H), kv_map)
+        kv_spec = pl.BlockSpec((None, None, None, bkv, H), kv_map)
         out = pl.pallas_call(
             functools.partial(_grid_kernel, **kernel_kw),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=4, grid=(n_tiles, K, n_blocks), in_specs=[tile_spec, kv_spec, kv_spec],
+                num_scalar_prefetch=5, grid=(n_tiles, K, n_blocks), in_specs=[tile_spec, kv_spec, kv_spec],
                 out_specs=tile_spec,
                 scratch_shapes=[pltpu.VMEM((M, 1), jnp.float32), pltpu.VMEM((M, 1), jnp.float32),
                                 pltpu.VMEM((M, H), jnp.float32)]),
@@ -226,7 +227,7 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
         out = pl.pallas_call(
             functools.partial(_loop_kernel, page_size=page_size, **kernel_kw),
             grid=(n_tiles, K),
-            in_specs=[whole] * 4 + [tile_spec, whole, whole],  # the cache and tables stay whole in HBM
+            in_specs=[whole] * 5 + [tile_spec, whole, whole],  # the cache and tables stay whole in HBM
             out_specs=tile_spec,
             out_shape=out_shape,
             compiler_params=compiler_params,
@@ -249,12 +250,14 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
 # ---- public API ----------------------------------------------------------------------------------------------
 def ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *,
                             sm_scale: float | None = None, block_q: int | None = None, block_kv: int | None = None,
-                            interpret: bool | None = None, backend: str | None = None):
+                            interpret: bool | None = None, backend: str | None = None, layer=None):
     """Attention of a flat bucket of verification queries over their requests' paged caches (module docstring).
 
     Args:
         q: [T, N, H] query tokens of all requests, back to back; rows ≥ query_start[R] are padding. f32 or bf16.
-        k_pages, v_pages: [P, K, page_size, H] in q's dtype; N % K == 0.
+        k_pages, v_pages: [P, K, page_size, H] in q's dtype; N % K == 0. With `layer`: stacked pools
+            [num_layers, P, K, page_size, H] (a decoder's layers scanned over one pool array), read at that layer
+            in place — the kernel indexes the layer itself, so no layer's pool is sliced out (a copy) first.
         block_tables: int32 [R, max_pages]; page ids of request r in order (entries past its pages are ignored).
         context_lens: int32 [R]; cached tokens of request r including this block.
         query_start: int32 [R+1]; cumulative query lengths, query_start[0] = 0.
@@ -264,6 +267,7 @@ def ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, que
         interpret: run the Pallas interpreter; None means "only on CPU".
         backend: "gpu" (Triton), "tpu" (Mosaic) or "cpu" (interpreter only); None = jax.default_backend().
             Choosing "gpu"/"tpu" with interpret=True runs that flavour's driver on a CPU.
+        layer: int32 scalar (may be traced) selecting the layer of stacked pools; None for [P, K, page_size, H].
 
     Returns:
         [T, N, H] in q's dtype; padding rows are 0.
@@ -271,9 +275,20 @@ def ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, que
     Raises:
         ValueError: bad shapes, dtypes, block sizes or backend.
     """
-    cfg = _make_config(q, k_pages, v_pages, block_tables, context_lens, query_start, sm_scale, block_q, block_kv,
+    if layer is None:
+        one_k, one_v = k_pages, v_pages
+    elif getattr(k_pages, "ndim", None) != 5 or jnp.shape(v_pages) != jnp.shape(k_pages):
+        raise ValueError(f"with layer=..., k_pages and v_pages must be stacked [num_layers, P, K, page_size, H] "
+                         f"pools of one shape, got {jnp.shape(k_pages)=}, {jnp.shape(v_pages)=}")
+    else:  # validated as one layer's pool
+        one_k = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)
+        one_v = jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype)
+    cfg = _make_config(q, one_k, one_v, block_tables, context_lens, query_start, sm_scale, block_q, block_kv,
                        interpret, backend)
-    return _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, cfg=cfg)
+    if layer is None:  # one pool: a stack of one layer (a free reshape), so both cases share one kernel
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_pages.shape[0] - 1).reshape(1)
+    return _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, layer, cfg=cfg)
 
 
 def _pow2(n: int) -> int:

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             ready = time.perf_counter() - t0
             modes = {"on": [True], "off": [False], "both": [True, False]}[args.pipelining]
             for pipelined in modes:
-                engine.core._pipelined = pipelined  # between waves, with the engine idle
+                engine.core.pipelined = pipelined  # between waves, with the engine idle
                 key = f"{sched} kernels={kernels} pipelining={'on' if pipelined else 'off'}"
                 results[key] = {"startup_s": ready}
                 for c in args.concurrency:

@@ -66,11 +66,11 @@ def main(argv=None) -> int:
             outs = {}
             for _ in range(args.repeats):
                 for pipelined in (True, False):
-                    core._pipelined = pipelined
+                    core.pipelined = pipelined
                     dt, toks = run(core, prompts, args.max_tokens)
                     times[pipelined].append(dt)
                     outs.setdefault(pipelined, toks)
-            core._pipelined = True
+            core.pipelined = True
             assert outs[True] == outs[False], "pipelining changed the greedy output"
             n = c * args.max_tokens
             tps = {k: n / statistics.median(v) for k, v in times.items()}

@@ -1,4 +1,4 @@
-"""The price of verifying: one target pass over T tokens against a pass over 1 (issue #10), and where it goes.
+"""The price of verifying: one target pass over T tokens against a pass over 1, and where it goes.
 
     python scripts/bench_verify_price.py [--tokens 1 2 4 8 16] [--contexts 64 512] [--repeats 30]
         [--layouts einsum served] [--xla-flags= --xla-flags=--xla_cpu_experimental_ynn_fusion_type= ...]
@@ -102,12 +102,14 @@ def measure(args) -> dict:
 
         @jax.jit
         def dense_only(params, x):
-            model = nnx.merge(gd, params)
-            for layer in model.layers:
+            from dspark_jax.model import scan_layers
+
+            def body(layer, x, _):
                 q, k, v = layer.attn.qkv(x[None])
                 y = layer.attn.out(q) + layer.mlp(x[None])
-                x = x + y[0] + 0 * (k.sum() + v.sum())
-            return x
+                return x + y[0] + 0 * (k.sum() + v.sum()), None
+
+            return scan_layers(nnx.merge(gd, params).layers, body, x)[0]
 
         @jax.jit
         def head_only(params, x):

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     head = f"`{cfg['head']}`" + (f" (rank {cfg['markov_rank']})" if cfg["head"] != "none" else "")
     text = f"""# {cfg['kind']} drafter for SmolLM2-135M-Instruct
 
-Trained by this repository's pipeline (`train/README.md`); loads with
+Trained by this repository's pipeline (`docs/training.md`); loads with
 `dspark_jax.load_drafter("smollm2-135m-instruct/{cfg['kind']}", target)`.
 
 - Architecture: {cfg['kind']}, block size L = {cfg['block_size']}, {cfg['num_layers']} layer(s), sequential head

@@ -1,7 +1,8 @@
 """`python -m dspark_jax.serve`: serve a target (with a DSpark drafter) behind an OpenAI-compatible HTTP API.
 
-Loads the engine (`serve.engine.create_engine`), which compiles its capacity buckets and profiles the SPS
-table at start-up, then serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics
+Loads the engine (`serve.engine.create_engine`): it answers once the programs of one request are compiled,
+then compiles its other capacity buckets and profiles the SPS table while idle (`--startup blocking` does all
+of it first), and serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics
 until Ctrl-C. If the engine loop dies, the process exits with status 70 (the engine's `exit_on_fatal`, and a
 watchdog here): a supervisor restarts it, rather than a live process answering 503 forever. Example:
 
@@ -115,6 +116,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sps-out", default=None, metavar="PATH",
                    help="write the SPS table profiled at start-up (steps/s by batch bucket, tokens per pass and "
                         "context length) to this JSON file")
+    p.add_argument("--startup", choices=("background", "blocking"), default="background",
+                   help="background: answer as soon as one request's programs are compiled (prefill and the "
+                        "batch-of-one steps; the dspark scheduler takes plain steps), then compile the rest and "
+                        "profile the SPS table while idle and switch to speculation when it is ready (logged). "
+                        "blocking: compile every shape and profile before serving (default: %(default)s)")
     p.add_argument("--sps-table", default=None, metavar="PATH",
                    help="load a saved SPS table (an earlier --sps-out) instead of profiling at start-up; it must "
                         "cover this configuration's step shapes")
@@ -198,7 +204,8 @@ def main(argv=None) -> int:
                                scheduler=args.scheduler, max_batch=args.max_batch, max_model_len=args.max_model_len,
                                page_size=args.page_size, num_pages=args.num_pages, kernels=args.kernels,
                                mesh_shape=(1, args.tensor_parallel), progress=True, sps_table=args.sps_table,
-                               sps_out=args.sps_out, dtype=args.dtype, kv_dtype=args.kv_dtype)
+                               sps_out=args.sps_out, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                               background=args.startup == "background")
     except (ValueError, OSError) as e:  # bad model spec, drafter/target mismatch, sizes, unwritable --sps-out
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -86,6 +86,7 @@ class _Req:
     rounds: int = 0
     admitted_at: int = 0
     done: bool = False
+    prompt_logprobs: list | None = None  # TokenLogprob per prompt position prefilled so far (when asked)
 
     @property
     def rid(self) -> str:
@@ -94,7 +95,8 @@ class _Req:
 
 def _token_logprob(token: int, lp, idx: tuple, k: int) -> TokenLogprob:
     """TokenLogprob of `token` from a program's logprob arrays (chosen [...], top ids / logprobs [..., NTOP]) at
-    index `idx` (() for prefill's one token, (row, position) for a verify pass), keeping the top k."""
+    index `idx` (() for prefill's one token, (row, position) for a verify pass, (j,) for prompt row j), keeping
+    the top k."""
     chosen, ids, vals = lp
     top = tuple((int(i), float(v)) for i, v in zip(ids[idx][:k], vals[idx][:k], strict=True))
     return TokenLogprob(token_id=int(token), logprob=float(chosen[idx]), top=top)
@@ -132,7 +134,9 @@ class EngineCore:
         self._probe_gap = PROBE_EVERY  # plain steps before the next probe (dspark; doubles while drafts do not pay)
         self._probed = False  # the last step was a probe
         self._calibration = GainCalibration()  # dspark: realized / predicted gain of its speculative steps
-        self._pipelined = hasattr(runner, "dispatch")  # the test mock runs every round synchronously
+        # Rounds chained on device (the next dispatched before this one is read back); False reads every round
+        # back first (diagnosis: scripts/bench_pipelining.py). The test mock runs every round synchronously.
+        self.pipelined = hasattr(runner, "dispatch")
         self._inflight: _Round | None = None  # a dispatched round not yet read back
         self._stepping = False
         self.stats = collections.Counter()
@@ -142,6 +146,7 @@ class EngineCore:
     def set_sps(self, sps: SpsTable | dict | None) -> None:
         """The cost model the schedulers read: an SpsTable, a {capacity: steps/s} dict (the same for every
         batch bucket and context: tests, hand-made tables), or None (flat until profiled or loaded)."""
+        self.sps_ready = True  # False: the table is being profiled, the dspark scheduler takes plain steps until then
         if sps is None:
             sps = {c: 1.0 for c in self.capacities}
         if isinstance(sps, dict):
@@ -172,8 +177,8 @@ class EngineCore:
         bad = next((t for t in p.stop_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)), None)
         if bad is not None:
             raise ValueError(f"stop token id {bad!r} is outside the vocabulary [0, {V})")
-        if not isinstance(p.max_tokens, (int, np.integer)) or p.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
+        if not isinstance(p.max_tokens, (int, np.integer)) or p.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {p.max_tokens!r}")
         if n + p.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's context of "
                              f"{self.max_model_len} tokens")
@@ -186,8 +191,10 @@ class EngineCore:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {p.top_k!r}")
         if p.seed is not None:
             request_key_data(p.seed)  # raises for seeds outside 64 bits
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}")
         top_k = 0 if (p.top_k <= 0 or p.top_k >= V) else int(p.top_k)
         params = dataclasses.replace(p, temperature=0.0 if t < 1e-5 else t, top_k=top_k)
         return dataclasses.replace(request, prompt_ids=[int(x) for x in ids], params=params)
@@ -218,11 +225,12 @@ class EngineCore:
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     def _emit(self, r: _Req, tokens: list[int], finish: str | None = None, error: str | None = None,
-              logprobs=None, status: int | None = None) -> None:
+              logprobs=None, status: int | None = None, prompt_logprobs=None) -> None:
         try:
             r.req.on_output(RequestOutput(request_id=r.rid, token_ids=tuple(tokens), finish_reason=finish,
                                           error=error, status=status,
-                                          logprobs=tuple(logprobs) if logprobs is not None else None))
+                                          logprobs=tuple(logprobs) if logprobs is not None else None,
+                                          prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs else None))
         except Exception:  # a broken consumer must not take the engine down
             log.exception("on_output callback of %s failed", r.rid)
 
@@ -236,12 +244,12 @@ class EngineCore:
                 self.waiting.remove(r)
 
     def _finish(self, r: _Req, tokens: list[int], reason: str, error: str | None = None, logprobs=None,
-                status: int | None = None) -> None:
+                status: int | None = None, prompt_logprobs=None) -> None:
         r.done = True
         self._release(r)
         with self._lock:
             self.by_id.pop(r.rid, None)
-        self._emit(r, tokens, reason, error, logprobs, status)
+        self._emit(r, tokens, reason, error, logprobs, status, prompt_logprobs)
 
     def _take(self, r: _Req, tokens, logprobs=None) -> tuple[list[int], list | None, str | None]:
         """Appends emitted tokens up to a stop; returns (tokens to stream, their logprobs, finish reason)."""
@@ -283,25 +291,39 @@ class EngineCore:
 
     def _prefill_one(self) -> None:
         r = self.prefilling[0]
-        chunk = r.prompt[r.prefilled : r.prefilled + self.runner.chunk_sizes[-1]]
+        start = r.prefilled
+        chunk = r.prompt[start : start + self.runner.chunk_sizes[-1]]
         p = r.req.params
-        want_lp = p.logprobs is not None and r.anchor is None
-        tok, lp = self.runner.prefill(chunk, r.prefilled, self.pages.table_row(r.rid, self.pages.num_pages), r.key,
-                                      p.temperature, p.top_k, p.top_p, logprobs=want_lp)
+        fresh = r.anchor is None  # not resumed after preemption: nothing of it has been reported yet
+        want_lp = p.logprobs is not None and fresh
+        # Prompt logprobs: each chunk position scores the prompt token after it (the last position's token is
+        # the first generated one, scored with `logprobs`), so a prompt of n tokens is scored in n - 1 rows.
+        targets = r.prompt[start + 1 : start + len(chunk) + 1] if p.prompt_logprobs is not None and fresh else None
+        tok, lp, prompt_lp = self.runner.prefill(chunk, start, self.pages.table_row(r.rid, self.pages.num_pages),
+                                                 r.key, p.temperature, p.top_k, p.top_p, logprobs=want_lp,
+                                                 prompt_targets=targets or None)
+        if targets is not None:
+            if start == 0:  # (again after a preemption in prefill)
+                r.prompt_logprobs = [TokenLogprob(token_id=r.prompt[0], logprob=None)]
+            r.prompt_logprobs += [_token_logprob(t, prompt_lp, (j,), p.prompt_logprobs) for j, t in enumerate(targets)]
         r.prefilled += len(chunk)
         self.stats["prefill_chunks_total"] += 1
         if r.prefilled < len(r.prompt):
             return
         self.prefilling.pop(0)
         r.committed = len(r.prompt)
-        if r.anchor is None:  # a fresh request: the prefill's token is its first output
+        if fresh:  # a fresh request: the prefill's token is its first output
+            plps, r.prompt_logprobs = r.prompt_logprobs, None  # reported once, with the first output
+            if p.max_tokens == 0:  # scoring only (echo): no token
+                self._finish(r, [], "length", prompt_logprobs=plps)
+                return
             lps = [_token_logprob(tok, lp, (), p.logprobs)] if want_lp else None
             out, lps, reason = self._take(r, [tok], lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
-                self._finish(r, out, reason, logprobs=lps)
+                self._finish(r, out, reason, logprobs=lps, prompt_logprobs=plps)
                 return
-            self._emit(r, out, logprobs=lps)
+            self._emit(r, out, logprobs=lps, prompt_logprobs=plps)
             r.anchor = tok
         self.running.append(r)
 
@@ -372,7 +394,7 @@ class EngineCore:
         plan = self._plan(b.active, R, Bb, int(b.lengths[:R].max()), conf=conf)
         if drafts is not None:
             plan.drafts = drafts
-        if not self._pipelined or self.spec.syncs_on_drafts:
+        if not self.pipelined or self.spec.syncs_on_drafts:
             res = self.runner.step(b, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
                                    drafts=plan.drafts, dev=dev, want_confidence=plan.want_confidence)
             self._process(_Round(None, running, None, self._count_pass(plan), R, Bb, plan), res)
@@ -384,6 +406,8 @@ class EngineCore:
     def _plan(self, active, R: int, Bb: int, context: int, conf=None) -> _Plan:
         """The scheduler's choice for a round of R rows at the batch's longest `context`."""
         sps = self._sps_tokens(Bb, context)
+        if self.spec.kind == "dspark" and not self.sps_ready:  # the safe policy until the table is profiled
+            return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
         if self.spec.kind == "dspark":
             self._calibration.tick()
             raw = self._stale_confidence(self.running, Bb)
@@ -578,8 +602,11 @@ class Engine:
     set (the real server sets it), the process exits with status 70 so a supervisor restarts it: never a live
     process that answers 503 forever."""
 
-    def __init__(self, core: EngineCore, *, model_name: str, tokenizer=None, chat_template=None):
+    def __init__(self, core: EngineCore, *, model_name: str, tokenizer=None, chat_template=None, background=None):
+        """background: an iterator of start-up work (`_background_startup`) advanced one item at a time while the
+        engine has no request to step, in the engine's own thread (it shares the runner's pools)."""
         self.core, self.model_name, self.tokenizer, self.chat_template = core, model_name, tokenizer, chat_template
+        self._background = background
         self.max_model_len = core.max_model_len
         self.vocab_size = core.vocab_size
         self.exit_on_fatal = False
@@ -606,9 +633,13 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self.core.step():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                if self.core.step():
+                    continue
+                if self._background is not None:
+                    self._advance_background()
+                    continue
+                self._wake.wait(0.05)
+                self._wake.clear()
         except BaseException as e:  # a device error: fail every request loudly rather than hang them
             log.exception("engine loop died")
             self._alive = False
@@ -618,6 +649,21 @@ class Engine:
                 os._exit(70)
         finally:
             self._alive = False
+
+    def _advance_background(self) -> None:
+        """One item of start-up work. If it fails, serving goes on as it is (the safe policy), loudly."""
+        try:
+            next(self._background)
+        except StopIteration:
+            self._background = None
+        except Exception:
+            log.exception("background start-up work failed; serving on without it")
+            self._background = None
+
+    @property
+    def startup_complete(self) -> bool:
+        """Every program compiled and the SPS table in place (always, when start-up blocked for them)."""
+        return self._background is None
 
     def add_request(self, request: EngineRequest) -> None:
         if not self._alive:
@@ -674,7 +720,8 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
                   mesh_shape: tuple[int, int] = (1, 1), chunk_sizes: tuple[int, ...] = (32, 128),
                   profile: bool = True, progress: bool = True, sps_table: str | None = None,
                   sps_out: str | None = None, max_waiting: int | None = None, dtype: str = "auto",
-                  kv_dtype: str = "auto", target_obj=None, drafter_obj=None, runner=None) -> Engine:
+                  kv_dtype: str = "auto", background: bool = False, target_obj=None, drafter_obj=None,
+                  runner=None) -> Engine:
     """Loads target and drafter, precompiles every shape, profiles (or loads) the SPS table, starts the engine.
 
     drafter: "auto" = the drafter shipped for `target` if there is one, else none (said in one log line);
@@ -683,6 +730,10 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
     dtype: the target's (and drafter's) weights and activations: "auto" (bfloat16 on GPU/TPU, float32 on CPU:
         `dspark_jax.target.resolve_dtype`), "bfloat16" or "float32"; with `target_obj`, "auto" or its own dtype.
     kv_dtype: the KV page pools': "auto" (= the compute dtype), "bfloat16" or "float32".
+    background: ready after compiling what one request needs (prefill and the batch-of-one steps of the safe
+        policy: plain steps for the dspark scheduler); the other programs and the SPS profile follow in the
+        engine's idle time, and the dspark scheduler speculates once its table is ready (logged). False: all of
+        it before the engine starts.
     sps_table: a saved table (`sps_out` of an earlier start) to load instead of profiling; it must cover every
         shape. `target_obj` / `drafter_obj` pass already-loaded models (tests); `runner` reuses the device side
         of an earlier engine (compiled programs, pools), whose sizes and dtypes then win. `mesh_shape` = (data, model).
@@ -704,7 +755,7 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
         spec = SchedulerSpec.parse(scheduler or ("dspark" if runner.drafter is not None else "none"))
         mml = max_model_len or (runner.max_pages * runner.page_size - runner.L - 1)
         return _engine_on(runner, spec, mml, profile, say, getattr(runner.target, "source", "target"),
-                          sps_table, sps_out, max_waiting, progress)
+                          sps_table, sps_out, max_waiting, progress, background)
     log.info("dtype: %s (weights and activations), KV cache: %s", dtype, kv_dtype)
     tgt = target_obj if target_obj is not None else load_target(target, dtype)
     if drafter == "auto" and drafter_obj is None:
@@ -734,7 +785,8 @@ def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None 
                          max_pages=max_pages, chunk_sizes=tuple(sorted(chunk_sizes)), kernels=kernels, mesh=mesh,
                          kv_dtype=kv_dtype)
     name = target if target_obj is None else getattr(tgt, "source", "target")
-    return _engine_on(runner, spec, max_model_len, profile, say, name, sps_table, sps_out, max_waiting, progress)
+    return _engine_on(runner, spec, max_model_len, profile, say, name, sps_table, sps_out, max_waiting, progress,
+                      background)
 
 
 def _bar(progress: bool, desc: str):
@@ -748,34 +800,46 @@ def _bar(progress: bool, desc: str):
 
 
 def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, say, name: str,
-               sps_table: str | None, sps_out: str | None, max_waiting: int | None, progress: bool) -> Engine:
-    """Compiles (if not yet) and profiles the runner for the scheduler's mode, then starts an engine on it."""
+               sps_table: str | None, sps_out: str | None, max_waiting: int | None, progress: bool,
+               background: bool = False) -> Engine:
+    """Compiles (if not yet) and profiles the runner for the scheduler's mode, then starts an engine on it; with
+    `background`, only what one request needs first (create_engine)."""
     if spec.needs_drafter and runner.drafter is None:
         raise ValueError(f"scheduler {spec.kind!r} needs a drafter; this runner has none")
     mode = "topk" if spec.kind == "dspark" else "lengths"
     max_draft = spec.max_draft(runner.L)
+    plain = spec.kind == "dspark"
+    jobs = runner.warmup_jobs((mode,), max_draft=max_draft, plain=plain)
     t0 = time.perf_counter()
+    if background:
+        first = [j for j in jobs if _first_request_job(j, runner, mode, plain)]
+        later = [j for j in jobs if j not in first]
+    else:
+        first, later = jobs, []
     update, close = _bar(progress, "compiling")
-    runner.warmup((mode,), max_draft=max_draft, progress=update, plain=spec.kind == "dspark")
+    for i, job in enumerate(first):
+        runner.run_warmup_job(job)
+        if update is not None:
+            update(i + 1, len(first))
     warm_scheduler(spec, runner.batch_buckets, runner.L, runner.capacities[-1])
     close()
-    say(f"compiled {len(runner.verify_shapes(max_draft))} step shapes in {time.perf_counter() - t0:.1f}s")
+    say(f"compiled {len(first)} programs in {time.perf_counter() - t0:.1f}s"
+        + (f"; {len(later)} more compile in the background" if later else ""))
     sps = None
     if sps_table is not None:
         sps = SpsTable.load(sps_table)
         if not sps.covers(runner.verify_shapes(max_draft)):
             raise ValueError(f"SPS table {sps_table} does not cover this engine's shapes; profile again")
-    elif profile:
-        entries, plain = {}, {}
+    elif profile and not background:
+        entries, plain_sps = {}, {}
         update, close = _bar(progress, "profiling")
         for i, ctx in enumerate(PROFILE_CONTEXTS):
             prog = None if update is None else (lambda d, t, i=i: update(i * t + d, t * len(PROFILE_CONTEXTS)))
-            full, plain_steps = runner.profile(mode, context=ctx, max_draft=max_draft, progress=prog,
-                                               plain=spec.kind == "dspark")
+            full, plain_steps = runner.profile(mode, context=ctx, max_draft=max_draft, progress=prog, plain=plain)
             entries.update({(bb, cap, ctx): v for (bb, cap), v in full.items()})
-            plain.update({(bb, ctx): v for bb, v in plain_steps.items()})
+            plain_sps.update({(bb, ctx): v for bb, v in plain_steps.items()})
         close()
-        sps = SpsTable(entries, plain).smoothed()
+        sps = SpsTable(entries, plain_sps).smoothed()
     if sps is not None and sps_out:
         sps.save(sps_out)
     if sps is not None:
@@ -783,7 +847,56 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
     core = EngineCore(runner, scheduler=str(spec), max_batch=runner.B, num_pages=runner.num_pages,
                       page_size=runner.page_size, max_model_len=max_model_len,
                       eos_token_ids=runner.target.eos_token_ids, sps=sps, max_waiting=max_waiting)
-    return Engine(core, model_name=name, tokenizer=runner.target.tokenizer).start()
+    work = None
+    if later or (background and profile and sps is None):
+        work = _background_startup(runner, core, spec, name, later, profile and sps is None, mode, max_draft,
+                                   plain, sps_out)
+        if spec.kind == "dspark" and profile and sps is None:
+            core.sps_ready = False
+            say("serving plain steps until the SPS table is profiled; then the dspark scheduler speculates")
+    return Engine(core, model_name=name, tokenizer=runner.target.tokenizer, background=work).start()
+
+
+def _first_request_job(job: tuple, runner, mode: str, plain: bool) -> bool:
+    """Whether a warm-up job serves one request under the start-up policy: prefill, and the batch-of-one
+    programs of its steps (plain steps for the dspark scheduler, else its own mode)."""
+    if job[0] == "prefill":
+        return True
+    if job[1] != runner.batch_buckets[0]:
+        return False
+    if job[0] == "advance":
+        return True
+    if plain:  # dspark: plain steps until the table is ready (no draft pass)
+        return job[0] == "verify" and job[3] == "plain"
+    return job[0] == "draft" or (job[0] == "verify" and job[3] == mode)
+
+
+def _background_startup(runner, core: EngineCore, spec: SchedulerSpec, name: str, jobs: list, profile: bool,
+                        mode: str, max_draft: int, plain: bool, sps_out: str | None):
+    """Start-up work left for the engine's idle time (`Engine._advance_background`), one small item per
+    `next`: compile the remaining programs, then profile the SPS table a batch bucket at a time and hand it to
+    the scheduler."""
+    t0 = time.perf_counter()
+    for job in jobs:
+        runner.run_warmup_job(job)
+        yield
+    if jobs:
+        log.info("compiled the other %d programs in the background in %.1fs", len(jobs), time.perf_counter() - t0)
+    if not profile:
+        return
+    t0 = time.perf_counter()
+    entries, plain_sps = {}, {}
+    for ctx in PROFILE_CONTEXTS:
+        for _, _, full, plain_steps in runner.profile_buckets(mode, context=ctx, max_draft=max_draft, plain=plain):
+            entries.update({(bb, cap, ctx): v for (bb, cap), v in full.items()})
+            plain_sps.update({(bb, ctx): v for bb, v in plain_steps.items()})
+            yield
+    sps = SpsTable(entries, plain_sps).smoothed()
+    if sps_out:
+        sps.save(sps_out)
+    core.set_sps(sps)
+    log.info("SPS table profiled in the background in %.1fs; %s", time.perf_counter() - t0,
+             _summary(runner, spec, sps, name))
 
 
 def _summary(runner, spec, sps: SpsTable, name: str) -> str:

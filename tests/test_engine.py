@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import numpy as np
 import pytest
@@ -86,7 +87,8 @@ def test_runner_serves_the_cpu_layout_and_matches_the_einsum_layout(tiny, runner
     target, _, prompts, ref = tiny
     for runner in runners.values():
         assert runner._static["tg"].value is target.serving_split()[0]
-        assert runner.tparams["layers"][0]["mlp"]["gate"].shape == target.params["layers"][0]["mlp"]["gate"].shape[::-1]
+        served, own = runner.tparams["layers"]["mlp"]["gate"].shape, target.params["layers"]["mlp"]["gate"].shape
+        assert served == (own[0], own[2], own[1])  # [num_layers, F, D] against [num_layers, D, F]
     for prompt, want in zip(prompts[:3], ref[:3], strict=True):
         ids = list(prompt)
         for _ in range(MAX_NEW):
@@ -117,6 +119,42 @@ def test_no_xla_compilation_after_warm_up(tiny, scheduler):
         assert [outs[str(i)] for i in (0, 1, 2)] == ref[:3]
         assert core.stats["chained_steps_total"] > 0  # device outputs were fed back
         assert {k: COMPILES[k] for k in PROGRAMS} == compiled
+    finally:
+        engine.stop()
+
+
+def test_background_startup_serves_plain_first_then_speculates_with_its_profiled_table(tiny):
+    """`background=True` (the server's default): the engine starts after compiling one request's programs
+    (prefill, the batch-of-one plain step), answers exactly while it compiles the rest and profiles in its idle
+    time, then has a table, has compiled every shape the blocking start-up would have, and speculates — the
+    outputs equal target-only greedy throughout. A page size no other test uses: its compiles are its own."""
+    target, drafter, prompts, ref = tiny
+    engine = create_engine(target_obj=target, drafter_obj=drafter, scheduler="dspark", max_batch=2,
+                           max_model_len=75, page_size=5, chunk_sizes=(8, 32), progress=False, background=True)
+    try:
+        runner = engine.core.runner
+        first = set(runner.traces)
+        assert not engine.startup_complete and not engine.core.sps_ready
+        assert len(first) < len(runner.warmup_jobs(("topk",), plain=True))  # fewer programs than all of them
+
+        def run(i):
+            done = concurrent.futures.Future()
+            out = []
+            engine.add_request(EngineRequest(request_id=f"{i}-{len(out)}", prompt_ids=prompts[i],
+                                             params=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+                                             on_output=lambda o: (out.extend(o.token_ids),
+                                                                  o.finish_reason and done.set_result(out))))
+            return done.result(timeout=300)
+
+        assert run(0) == ref[0]  # served on the start-up policy, possibly before the table
+        deadline = time.monotonic() + 600
+        while not engine.startup_complete and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert engine.startup_complete and engine.core.sps_ready
+        assert {k[:2] for k in runner.traces} >= {("verify", bb) for bb in runner.batch_buckets}
+        before = engine.core.stats["steps_total"] - engine.core.stats["plain_steps_total"]
+        assert [run(i) for i in (1, 2, 3)] == ref[1:4]
+        assert engine.core.stats["steps_total"] - engine.core.stats["plain_steps_total"] > before  # it speculates
     finally:
         engine.stop()
 
@@ -379,8 +417,7 @@ def test_hostile_values_fail_alone_and_pages_cannot_leak(tiny, runners):
     assert core.pages.num_free == core.pages.num_pages
     # Poison every page of both pools; the engine must not read any of it back.
     runner = core.runner
-    nan = lambda kv: PagedKV(k=tuple(jnp.full_like(x, jnp.nan) for x in kv.k),  # noqa: E731
-                             v=tuple(jnp.full_like(x, jnp.nan) for x in kv.v))
+    nan = lambda kv: PagedKV(k=jnp.full_like(kv.k, jnp.nan), v=jnp.full_like(kv.v, jnp.nan), feat=kv.feat)  # noqa: E731
     runner.tkv, runner.dkv = nan(runner.tkv), nan(runner.dkv)
     assert _run_greedy(core, prompts, tag="poisoned") == ref
     assert core.pages.num_free == core.pages.num_pages

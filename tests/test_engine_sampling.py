@@ -289,11 +289,11 @@ MESH_SCRIPT = textwrap.dedent("""
 
     def pools(when, runner):
         for side, kv in (("tkv", runner.tkv), ("dkv", runner.dkv)):
-            for i, x in enumerate(kv.k + kv.v):
+            for i, x in enumerate((kv.k, kv.v)):  # [num_layers, P, K, page_size, H] each
                 s = x.sharding
-                specs[f"{{when}}.{{side}}.{{i}}"] = [(list(s.spec) + [None] * 4)[:4], dict(s.mesh.shape),
+                specs[f"{{when}}.{{side}}.{{i}}"] = [(list(s.spec) + [None] * 5)[:5], dict(s.mesh.shape),
                                                    len(s.device_set),
-                                                   x.addressable_shards[0].data.shape[1]]
+                                                   x.addressable_shards[0].data.shape[2]]
 
     from dspark_jax.runner import ModelRunner
     from dspark_jax.sharding import make_mesh
@@ -329,12 +329,12 @@ def test_engine_on_a_data_and_model_mesh_matches_single_device(runner, tmp_path)
     specs = res["specs"]
     pools = {k: v for k, v in specs.items() if k.startswith(("start.", "served."))}
     specs = {k: v for k, v in specs.items() if k not in pools}
-    assert len(pools) == 2 * 2 * (3 + 1), sorted(pools)  # k and v of 3 target + 1 drafter layers, twice
+    assert len(pools) == 2 * 2 * 2, sorted(pools)  # k and v pools (layers stacked) of target and drafter, twice
     for name, (spec, mesh, devices, heads_per_shard) in pools.items():
-        assert spec == [None, "model", None, None] and mesh == {"data": 2, "model": 4}, (name, spec, mesh)
+        assert spec == [None, None, "model", None, None] and mesh == {"data": 2, "model": 4}, (name, spec, mesh)
         assert devices == 8 and heads_per_shard == 1, (name, devices, heads_per_shard)
     split = [k for k in specs if any(w in k for w in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp."))]
-    assert len(split) == 7 * 4, sorted(specs)  # q, k, v, o, gate, up, down of 3 target and 1 drafter layer
+    assert len(split) == 7 * 2, sorted(specs)  # q, k, v, o, gate, up, down of the target (stacked) and drafter
     for name in split:
         spec, mesh, devices = specs[name]
         assert "model" in spec and mesh == {"data": 2, "model": 4} and devices == 8, (name, specs[name])

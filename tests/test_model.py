@@ -218,10 +218,11 @@ def test_serving_layout_matches_transformers(model_type, tied, overrides, tmp_pa
     assert target.serving_split(True)[1] is params  # converted once, then kept
     assert target.serving_split(False) == (target.graphdef, target.params)
     served = Target(nnx.merge(graphdef, params), source="served")
-    layer, orig = served.module().layers[0], target.module().layers[0]
+    layer, orig = served.module().layers, target.module().layers  # stacked: [num_layers, ...] each
     assert layer.mlp.out_in and layer.attn.out_in and not orig.mlp.out_in
-    assert layer.mlp.gate[...].shape == orig.mlp.gate[...].shape[::-1]
-    assert layer.attn.o[...].shape == (orig.attn.o[...].shape[2], *orig.attn.o[...].shape[:2])
+    gate, o = orig.mlp.gate[...].shape, orig.attn.o[...].shape
+    assert layer.mlp.gate[...].shape == (gate[0], gate[2], gate[1])
+    assert layer.attn.o[...].shape == (o[0], o[3], o[1], o[2])
     ids = _ids(2, 80)
     np.testing.assert_allclose(np.asarray(served.logits(ids)), hf_logits(hf, ids), atol=1e-4, rtol=0)
 

@@ -89,6 +89,25 @@ def test_matches_reference(q_lens, ctx_lens, T, N, K, H, page_size, dtype, opts)
     np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(q_lens):], 0.0)  # padding rows
 
 
+@pytest.mark.parametrize("opts", [{}, dict(backend="gpu", interpret=True), dict(backend="tpu", interpret=True)],
+                         ids=["cpu", "gpu", "tpu"])
+def test_stacked_pools_read_the_layer_asked_for(opts):
+    """Stacked pools [num_layers, P, K, page_size, H] with a (traced) layer index: each layer's output equals the
+    kernel on that layer's pool alone, and differs from its neighbours' (the index is really used)."""
+    args = make_inputs((3, 1, 2), (19, 8, 30), T=8, N=4, K=2, H=16, page_size=16, dtype=jnp.float32)
+    q, kp, vp, *rest = args
+    ks = jnp.stack([kp, kp * 0.5 + 1.0, -kp])
+    vs = jnp.stack([vp, vp * 2.0, vp + 3.0])
+    f = jax.jit(lambda layer: ragged_verify_attention(q, ks, vs, *rest, layer=layer, **opts))
+    outs = [np.asarray(f(jnp.int32(i))) for i in range(3)]
+    for i in range(3):
+        want = ragged_verify_attention_reference(q, ks[i], vs[i], *rest)
+        np.testing.assert_allclose(outs[i], np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(outs[0], outs[1]) and not np.allclose(outs[1], outs[2])
+    with pytest.raises(ValueError, match="stacked"):
+        ragged_verify_attention(q, kp, vp, *rest, layer=0, **opts)
+
+
 def test_reference_matches_numpy_per_request():
     """The reference itself, request by request: pages gathered by hand, positions from the definition."""
     q_lens, ctx_lens, ps = (0, 3, 1, 4), (5, 20, 9, 4), 8
@@ -202,19 +221,24 @@ def test_bad_inputs_raise():
 
 
 # ---- lowering for accelerators we don't have (not executed) ------------------------------------------------
-def _lower(platform: str, device_kind: str, T, R, max_pages, N, K, H, P, page_size, dtype, **opts) -> str:
+def _lower(platform: str, device_kind: str, T, R, max_pages, N, K, H, P, page_size, dtype, layers=None,
+           **opts) -> str:
     """StableHLO text of ragged_verify_attention lowered for `platform` from this machine (shapes only).
 
     The abstract device names the chip: Mosaic TPU reads its generation from it, jax ≥ 0.11 reads the GPU's
     compute capability from it for Triton.
     """
     sd = jax.ShapeDtypeStruct
-    args = (sd((T, N, H), dtype), sd((P, K, page_size, H), dtype), sd((P, K, page_size, H), dtype),
+    pool = (P, K, page_size, H) if layers is None else (layers, P, K, page_size, H)
+    args = (sd((T, N, H), dtype), sd(pool, dtype), sd(pool, dtype),
             sd((R, max_pages), jnp.int32), sd((R,), jnp.int32), sd((R + 1,), jnp.int32))
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1,
                                          platform="gpu" if platform == "cuda" else platform)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     f = functools.partial(ragged_verify_attention, interpret=False, **opts)
+    if layers is not None:  # the layer index traced, as inside a scan over layers
+        args = (*args, sd((), jnp.int32))
+        f = functools.partial(lambda *a, _f=f: _f(*a[:-1], layer=a[-1]))
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
@@ -246,6 +270,14 @@ def test_lowers_for_tpu_mosaic(case):
     *shape, opts = case
     text = _lower("tpu", "TPU v5 lite", *shape, backend="tpu", **opts)
     assert text.count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize("platform,kind,backend,marker", [("cuda", "NVIDIA H200", "gpu", "xla.gpu.triton"),
+                                                          ("tpu", "TPU v5 lite", "tpu", "tpu_custom_call")])
+def test_stacked_pools_lower_for_accelerators(platform, kind, backend, marker):
+    """The stacked-pool form (what the serving scan runs): 36 layers of the deployment-like shape."""
+    *shape, opts = LOWER_CASES[2]
+    assert _lower(platform, kind, *shape, layers=36, backend=backend, **opts).count(marker) == 1
 
 
 # ---- real accelerator ------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ an n > 1 request, seeded seed + i, differs from choice 0). Tokens come `per_repo
 thread every `step_s`. It honours max_tokens, the model's context, stop_token_ids, EOS (id 100) unless
 ignore_eos, and abort; each request holds KV "pages" from admission to its end, so tests can assert that
 every way a request ends gives them back. With `logprobs=k`, token t has logprob `fake_logprob(t)` and the
-alternatives `fake_top(t, k)`. Prompts that start with token 98 are aborted with an error (no status: a 500),
+alternatives `fake_top(t, k)`; with `prompt_logprobs=k` so does every prompt token but the first (None), on
+the first report; max_tokens 0 ends after that report. Prompts that start with token 98 are aborted with an error (no status: a 500),
 97 with an error of status 400 (the request's fault); prompts that start with 99 make add_request raise
 RuntimeError (an engine bug → 500). `queue_limit` makes add_request raise QueueFull beyond that many waiting.
 
@@ -147,8 +148,8 @@ class FakeEngine:
                     finish = "abort"
                 else:
                     offset = p.seed if p.temperature > 0 and p.seed is not None else 0
-                    new, finish = [], None
-                    for _ in range(self.per_report):
+                    new, finish = [], "length" if p.max_tokens == 0 else None
+                    for _ in range(self.per_report if p.max_tokens else 0):
                         t = next_token(s["last"], offset)
                         s["last"] = t
                         if t in p.stop_token_ids or (t == EOS and not p.ignore_eos):
@@ -162,7 +163,14 @@ class FakeEngine:
                     self._counts["generation_tokens_total"] += len(new)
                     lps = None if p.logprobs is None or self.no_logprobs else tuple(
                         TokenLogprob(token_id=t, logprob=fake_logprob(t), top=fake_top(t, p.logprobs)) for t in new)
-                    out = RequestOutput(request_id=rid, token_ids=tuple(new), finish_reason=finish, logprobs=lps)
+                    plps = None
+                    if p.prompt_logprobs is not None and not s.setdefault("reported", False) and not self.no_logprobs:
+                        plps = (TokenLogprob(token_id=req.prompt_ids[0], logprob=None),) + tuple(
+                            TokenLogprob(token_id=t, logprob=fake_logprob(t), top=fake_top(t, p.prompt_logprobs))
+                            for t in req.prompt_ids[1:])
+                    s["reported"] = True
+                    out = RequestOutput(request_id=rid, token_ids=tuple(new), finish_reason=finish, logprobs=lps,
+                                        prompt_logprobs=plps)
                 if finish is not None:
                     del self._running[rid]
                     self.free_pages += self.pages_for(req)
@@ -388,7 +396,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["t1", "t2"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["t1", [2]]}, 400, "prompt"),  # strings and ids mixed
+    ("/v1/completions", {"model": MODEL, "prompt": [[1], []]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["t1", ""]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1], [500]]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["t1"] * 129}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/completions", {"prompt": "t1"}, 400, "model"),
@@ -567,7 +579,8 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
                      "--api-key", "k", "--max-body-bytes", "40"]) == 0
     assert calls["kw"] == dict(target="smollm2-135m-instruct", drafter=None, scheduler=None, max_batch=16,
                                max_model_len=None, page_size=16, num_pages=None, kernels="auto", mesh_shape=(1, 1),
-                               progress=True, sps_table=None, sps_out=str(sps), dtype="auto", kv_dtype="auto")
+                               progress=True, sps_table=None, sps_out=str(sps), dtype="auto", kv_dtype="auto",
+                               background=True)
     assert calls["serve"][:3] == ("127.0.0.1", 8123, "warning") and "/v1/chat/completions" in calls["serve"][3]
     assert "http://127.0.0.1:8123" in capsys.readouterr().out
     assert not calls["engine"]._thread.is_alive()  # main closes the engine on the way out

@@ -1,8 +1,9 @@
 """Fast batched sampling from the target for training data: a fixed set of B decode slots, refilled as rows finish.
 
-Why not `dspark_jax.decoding.generate` (measured in train/README.md): it (1) sorts all V = 49,152 logits of every
-row at every step for top-p, (2) runs each batch until its longest row stops, so rows that hit EOS early idle,
-and (3) compiles a new prefill and decode step for every batch's padded prompt length and cache capacity.
+Why not `dspark_jax.decoding.generate` (measured in reports/2026-12-01/regeneration-speed/): it (1) sorts all V =
+49,152 logits of every row at every step for top-p, (2) runs each batch until its longest row stops, so rows that
+hit EOS early idle, and (3) compiles a new prefill and decode step for every batch's padded prompt length and cache
+capacity.
 Here:
   * one decode step shape [B, 1] over a cache of fixed capacity C (compiled once); rows are *slots*: when a
     row stops, the next prompts are prefilled into the free slots (a sub-batch bucketed to B/8, B/4, B/2, B rows
