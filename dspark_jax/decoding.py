@@ -182,8 +182,8 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     anchors = np.zeros(B, np.int32)
     for b, p in enumerate(prompts):  # chunked prefill; the token after the prompt is round 0 of the row's key
         for start in range(0, len(p), chunk):
-            anchors[b], _ = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
-                                           top_p)
+            anchors[b] = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
+                                        top_p)[0]
         push(b, anchors[b : b + 1])
     t1 = time.perf_counter()
 

@@ -1,10 +1,12 @@
 """One HTTP request's engine requests (one per choice) and the bridge from the engine thread into asyncio.
 
-The engine calls each request's `on_output` from its own thread; `loop.call_soon_threadsafe` moves every
-`RequestOutput` onto the Generation's asyncio.Queue, and `events()` turns them into `Event`s: text deltas per
-choice (`ChoiceText`: incremental detokenization and stop strings) with the logprobs of the tokens whose text
-they complete. A stop string aborts that choice's engine request; `close()` aborts all unfinished ones and is
-what every exit of a request calls.
+A request holds one or more prompts (a completions batch) and n choices per prompt: choice i·n + j is the j-th
+of prompt i. The engine calls each request's `on_output` from its own thread; `loop.call_soon_threadsafe` moves
+every `RequestOutput` onto the Generation's asyncio.Queue, and `events()` turns them into `Event`s: text deltas
+per choice (`ChoiceText`: incremental detokenization and stop strings) with the logprobs of the tokens whose
+text they complete. With `echo`, a choice's first event starts with its prompt's text and, when asked, the
+prompt tokens' logprobs (from the engine's first report). A stop string aborts that choice's engine request;
+`close()` aborts all unfinished ones and is what every exit of a request calls.
 
 No wait is unbounded: `events()` wakes every POLL_S to check, besides new outputs, the request's deadline
 (504), the engine's health (503: a dead engine never reports again) and, for non-streamed requests, whether
@@ -45,6 +47,24 @@ class Admission:
 
 
 @dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its token ids and, with `echo`, the text echoed before each of its choices'
+    text and where each prompt token's text starts in it (`offsets`, aligned with `ids`)."""
+
+    ids: list[int]
+    echo: str | None = None
+    offsets: tuple[int, ...] = ()
+
+
+def echo_of(ids: Sequence[int], decode: Callable[[Sequence[int]], str], text: str | None = None) -> Prompt:
+    """The echo of a prompt: its text (`text` when the client sent one, else the ids decoded) and where each
+    token's text starts, from the same incremental decoding as generated text (serve/stream.py)."""
+    t = ChoiceText(decode)
+    decoded = t.add(ids, final=True)
+    return Prompt(list(ids), decoded if text is None else text, tuple(t.start(i) for i in range(len(ids))))
+
+
+@dataclasses.dataclass(frozen=True)
 class Event:
     """New text of one choice; `logprobs`: (logprob, start of the token's text) of each token it completes."""
 
@@ -59,6 +79,9 @@ class _Choice:
     index: int
     request_id: str
     text: ChoiceText
+    prompt: Prompt
+    prefix: str = ""  # the echoed prompt text, once sent (the choice's text starts with it)
+    echoed: bool = False
     submitted: bool = False
     started: bool = False  # left the admission count (first output, or the end)
     engine_done: bool = False  # the engine sent its final report
@@ -71,26 +94,34 @@ class _Choice:
 class Generation:
     """The engine requests behind one HTTP request, and their outputs as asyncio events.
 
+    `params` holds one entry per choice, prompt by prompt (len(prompts) × n; choice k belongs to prompt k // n).
     Must be created inside the event loop that consumes `events()`. `timeout_s` bounds the whole request.
     """
 
-    def __init__(self, engine: EngineLike, prompt_ids: list[int], params: Sequence[SamplingParams], *,
+    def __init__(self, engine: EngineLike, prompts: Sequence[Prompt], params: Sequence[SamplingParams], *,
                  base_id: str, decode: Callable[[Sequence[int]], str], stop: Sequence[str], admission: Admission,
                  timeout_s: float):
-        self.engine, self.prompt_ids, self.params = engine, prompt_ids, list(params)
+        self.engine, self.prompts, self.params = engine, list(prompts), list(params)
+        if not self.prompts or len(self.params) % len(self.prompts):
+            raise ValueError(f"{len(self.params)} choices for {len(self.prompts)} prompts")
+        n = len(self.params) // len(self.prompts)
         self.admission = admission
         self.loop = asyncio.get_running_loop()
         self.deadline, self.timeout_s = self.loop.time() + timeout_s, timeout_s
         self._next_check = self.loop.time() + POLL_S
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        self.choices = [_Choice(i, f"{base_id}-{i}", ChoiceText(decode, stop)) for i in range(len(self.params))]
+        self.choices = []
+        for i in range(len(self.params)):
+            prompt = self.prompts[i // n]
+            text = ChoiceText(decode, stop, context=prompt.ids if prompt.echo is not None else ())
+            self.choices.append(_Choice(i, f"{base_id}-{i}", text, prompt))
 
     def submit(self) -> None:
         """Queues every choice. The engine's ValueError is a 400 and QueueFull a 429; either aborts the choices
         already queued."""
         self.admission.check(len(self.choices))
         for c, p in zip(self.choices, self.params, strict=True):
-            req = EngineRequest(request_id=c.request_id, prompt_ids=list(self.prompt_ids), params=p,
+            req = EngineRequest(request_id=c.request_id, prompt_ids=list(c.prompt.ids), params=p,
                                 on_output=self._callback(c.index))
             try:
                 self.engine.add_request(req)
@@ -163,19 +194,20 @@ class Generation:
             c.engine_done |= final
             if c.finish_reason is not None:  # e.g. the engine's "abort" report after a stop string
                 continue
-            if self.params[index].logprobs is not None and len(out.logprobs or ()) != len(out.token_ids):
+            first_echo = c.prompt.echo is not None and not c.echoed and out.finish_reason != "abort"
+            if (missing := _missing_logprobs(self.params[index], out, len(c.prompt.ids) if first_echo else None)):
                 # Never answer a logprobs request without them (an engine that does not implement them).
-                c.finish_reason, c.error = "abort", APIError(
-                    f"the engine returned {len(out.logprobs or ())} logprobs for {len(out.token_ids)} tokens",
-                    status=500, code="engine_logprobs")
+                c.finish_reason, c.error = "abort", APIError(f"the engine returned {missing}", status=500,
+                                                             code="engine_logprobs")
                 if not c.engine_done:
                     c.engine_done = True
                     self.engine.abort(c.request_id)
                 pending -= 1
                 yield Event(index, "", c.finish_reason, [])
                 continue
+            echo, echoed = self._echo(c, out) if first_echo else ("", [])
             c.logprobs.extend(out.logprobs or ())
-            delta = c.text.add(out.token_ids, final=final)
+            delta = echo + c.text.add(out.token_ids, final=final)
             if c.text.stopped:
                 c.finish_reason = "stop"
                 if not c.engine_done:
@@ -187,21 +219,45 @@ class Generation:
                     c.error = engine_error(out)
             if c.finish_reason is not None:
                 pending -= 1
-            logprobs = self._release(c, everything=c.finish_reason is not None)
+            logprobs = echoed + self._release(c, everything=c.finish_reason is not None)
             if delta or c.finish_reason is not None or logprobs:
                 yield Event(index, delta, c.finish_reason, logprobs)
 
+    def _echo(self, c: _Choice, out: RequestOutput) -> tuple[str, list[tuple[TokenLogprob, int]]]:
+        """The echoed prompt (text, logprob entries) to send before the choice's first tokens (once)."""
+        c.prefix, c.echoed = c.prompt.echo, True
+        if self.params[c.index].prompt_logprobs is None:
+            return c.prefix, []
+        return c.prefix, list(zip(out.prompt_logprobs, c.prompt.offsets, strict=True))
+
     def _release(self, c: _Choice, *, everything: bool) -> list[tuple[TokenLogprob, int]]:
-        """The logprobs of the tokens whose text has now been sent (all the visible ones once finished)."""
+        """The logprobs of the tokens whose text has now been sent (all the visible ones once finished); their
+        offsets count from the start of the choice's text, the echoed prompt included."""
         end = min(c.text.visible if everything else c.text.released(), len(c.logprobs))
-        out = [(c.logprobs[i], c.text.start(i)) for i in range(c.released, end)]
+        out = [(c.logprobs[i], len(c.prefix) + c.text.start(i)) for i in range(c.released, end)]
         c.released = max(c.released, end)
         return out
 
+    def text(self, index: int) -> str:
+        """A choice's whole text: the echoed prompt, if any, then what was generated."""
+        c = self.choices[index]
+        return c.prefix + c.text.text
+
     def usage(self) -> dict:
         completion = sum(len(c.text.ids) for c in self.choices)
-        prompt = len(self.prompt_ids)
+        prompt = sum(len(p.ids) for p in self.prompts)  # each prompt once, whatever n
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _missing_logprobs(params: SamplingParams, out: RequestOutput, prompt_len: int | None) -> str | None:
+    """What an engine report lacks of the logprobs its request asked for ("": nothing); `prompt_len` when the
+    report must carry the prompt's logprobs (the first report of an echo)."""
+    if params.logprobs is not None and len(out.logprobs or ()) != len(out.token_ids):
+        return f"{len(out.logprobs or ())} logprobs for {len(out.token_ids)} tokens"
+    got = len(out.prompt_logprobs or ())
+    if prompt_len is not None and params.prompt_logprobs is not None and got != prompt_len:
+        return f"{got} prompt logprobs for a prompt of {prompt_len} tokens"
+    return ""
 
 
 def engine_error(out: RequestOutput) -> APIError:

@@ -1,4 +1,5 @@
-"""OpenAI request models for `/v1/completions` and `/v1/chat/completions`, the body checks, and the error shape.
+"""OpenAI request models for `/v1/completions`, `/v1/chat/completions`, `/tokenize` and `/detokenize` (vLLM's
+extension), the body checks, and the error shape.
 
 Validation policy: every field is checked here, at the protocol boundary, before anything reaches the engine.
   * The body: JSON only (`Content-Type: application/json`, else 415), at most the server's body cap (413),
@@ -9,8 +10,8 @@ Validation policy: every field is checked here, at the protocol boundary, before
     know may change the output, and ignoring it would hand back an answer the client cannot tell is wrong.
   * Known fields we do not implement are accepted only at their neutral value, the one that leaves the output
     as if the field were absent; any other value is 400 naming it (code "unsupported_parameter"). See UNSUPPORTED:
-    presence/frequency_penalty 0, repetition_penalty 1, min_p 0, logit_bias {}, best_of = n, echo false, suffix
-    empty, response_format {"type": "text"}, tools/functions absent, tool_choice/function_call "none",
+    presence/frequency_penalty 0, repetition_penalty 1, min_p 0, logit_bias {}, best_of = n, suffix empty,
+    response_format {"type": "text"}, tools/functions absent, tool_choice/function_call "none",
     parallel_tool_calls absent.
   * Fields that never change the output are accepted and ignored: user, metadata, store, service_tier,
     stream_options.include_usage (honoured), and a message's name / tool_call_id.
@@ -18,10 +19,16 @@ Validation policy: every field is checked here, at the protocol boundary, before
     greedy, 0), top_p in (0, 1], top_k >= -1 (0 and -1 off; the server clamps values >= vocab to off, which is
     what keeping the whole vocabulary means), seed in int64, n in 1..MAX_N (choice i is seeded seed + i,
     wrapped in int64), max_tokens in 1..2^31-1 (and prompt + max_tokens <= the model's context, checked by the
-    server), up to MAX_STOP stop strings of 1..MAX_STOP_CHARS characters, up to MAX_STOP_TOKEN_IDS stop token ids,
-    completions `logprobs` in 0..MAX_LOGPROBS, chat `logprobs` a bool and `top_logprobs` in 0..MAX_LOGPROBS
-    (only with logprobs true), at most MAX_MESSAGES messages. Token ids (prompt and stop_token_ids) must be in
-    [0, vocab): the server checks them against `engine.vocab_size`.
+    server; completions also take 0 with `echo`: the prompt scored, nothing generated), up to MAX_STOP stop
+    strings of 1..MAX_STOP_CHARS characters, up to MAX_STOP_TOKEN_IDS stop token ids, completions `logprobs`
+    in 0..MAX_LOGPROBS, chat `logprobs` a bool and `top_logprobs` in 0..MAX_LOGPROBS (only with logprobs
+    true), at most MAX_MESSAGES messages. Token ids (prompt and stop_token_ids) must be in
+    [0, vocab): the server checks them against `engine.vocab_size`. OpenAI caps completions `logprobs` at 5;
+    this server allows MAX_LOGPROBS (20), as vLLM does.
+  * Completions `prompt`: a string, a list of token ids, or a batch of 1..MAX_PROMPTS strings or token-id
+    lists; a batch gives prompts × n choices, choice i·n + j the j-th of prompt i (OpenAI's order). `echo`
+    prepends each prompt to its choice's text and, with `logprobs`, the prompt tokens' logprobs (the first
+    null) to its logprobs; the server bounds their cost (prompt tokens × (logprobs + 1), see serve/server.py).
 
 Every failure is an `APIError`, which the server renders as
 
@@ -43,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from serve.types import MAX_LOGPROBS
 
 MAX_N = 8
+MAX_PROMPTS = 128  # prompts in one completions request (a batch); choices = prompts × n
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -140,6 +148,10 @@ class _Request(_Strict):
         """None: no logprobs; k: each token's logprob and its top k alternatives."""
         raise NotImplementedError
 
+    def check_consistent(self) -> None:
+        """Raises APIError (400) for fields that contradict each other."""
+        self.logprobs_k()
+
     def check_supported(self) -> None:
         """Raises APIError (400) for a known parameter set to a value this server does not implement."""
         for name, (neutral, why) in UNSUPPORTED.items():
@@ -160,7 +172,6 @@ UNSUPPORTED = {
     "min_p": (lambda v, r: v == 0, "min_p filtering is not implemented; only 0 is accepted"),
     "logit_bias": (lambda v, r: not v, "logit_bias is not implemented; only {} is accepted"),
     "best_of": (lambda v, r: v == (r.n or 1), "best_of is not implemented; it must equal n"),
-    "echo": (lambda v, r: v is False, "echo is not implemented; only false is accepted"),
     "suffix": (lambda v, r: v == "", "suffix (insertion) is not implemented"),
     "response_format": (lambda v, r: v.type == "text" and not v.model_extra,
                         'structured output is not implemented; only {"type": "text"} is accepted'),
@@ -172,34 +183,53 @@ UNSUPPORTED = {
 }
 
 
-class CompletionRequest(_Request):
-    """`POST /v1/completions`: `prompt` is a string, a list of one string, or a list of token ids."""
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1,
-                                                                                          max_length=1)]
+
+def _is_ids(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+class CompletionRequest(_Request):
+    """`POST /v1/completions`: `prompt` is a string, a list of token ids, or a batch (a list of 1..MAX_PROMPTS
+    strings or token-id lists); `echo` prepends each prompt (and, with `logprobs`, its tokens' logprobs)."""
+
+    prompt: (str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="0 only with echo: score the prompt")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="not implemented: must equal n")
-    echo: Annotated[bool | None, _only({"type": "boolean", "enum": [False]}, "not implemented")] = None
     suffix: Annotated[str | None, _only({"type": "string", "maxLength": 0}, "not implemented")] = \
         Field(None, max_length=MAX_STOP_CHARS)
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, v):
-        if isinstance(v, str):
-            return v
-        if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            if any(x < 0 for x in v):
+        if isinstance(v, str) or _is_ids(v):
+            if isinstance(v, list) and any(x < 0 for x in v):
                 raise ValueError("prompt token ids must be non-negative")
             return v
-        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
-            if len(v) != 1:
-                raise ValueError(f"only one prompt per request is supported, got {len(v)}")
+        if isinstance(v, list) and v and (all(isinstance(x, str) for x in v) or all(_is_ids(x) for x in v)):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request are allowed, got {len(v)}")
+            if any(isinstance(x, list) and min(x) < 0 for x in v):
+                raise ValueError("prompt token ids must be non-negative")
             return v
-        raise ValueError("prompt must be a string, a list of one string, or a non-empty list of token ids")
+        raise ValueError("prompt must be a string, a non-empty list of token ids, or a list of 1.."
+                         f"{MAX_PROMPTS} strings or non-empty token-id lists")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the batch (one for a single string or token-id list)."""
+        return [self.prompt] if isinstance(self.prompt, str) or _is_ids(self.prompt) else list(self.prompt)
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
+
+    def check_consistent(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("'max_tokens': 0 generates nothing; it is only allowed with 'echo': true (scoring the "
+                           "prompt)", param="max_tokens", code="invalid_value")
 
 
 class ContentPart(_Strict):
@@ -258,6 +288,44 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(_Strict):
+    """`POST /tokenize` (vLLM's extension): a `prompt` as /v1/completions tokenizes it (no special tokens
+    unless `add_special_tokens`), or chat `messages` as /v1/chat/completions renders them (generation prompt
+    included). `return_token_strs`: each token's text alone, as logprobs name tokens."""
+
+    model: str | None = Field(None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+    def check_supported(self) -> None:
+        pass
+
+    def check_consistent(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt", code="invalid_value")
+        if self.messages is not None and self.add_special_tokens:
+            raise APIError("'add_special_tokens' applies to a prompt; the chat template writes its own",
+                           param="add_special_tokens", code="invalid_value")
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
+
+
+class DetokenizeRequest(_Strict):
+    """`POST /detokenize` (vLLM's extension): token ids → text, decoded as completions text is."""
+
+    model: str | None = Field(None, max_length=256)
+    tokens: list[TokenId]
+
+    def check_supported(self) -> None:
+        pass
+
+    def check_consistent(self) -> None:
+        pass
+
+
 def parse_request(body: bytes, model_cls: type[_Request]):
     """Parses a raw request body into `model_cls`; raises APIError (400) for malformed JSON or bad fields."""
     depth = json_depth(body)
@@ -280,7 +348,7 @@ def parse_request(body: bytes, model_cls: type[_Request]):
     except pydantic.ValidationError as e:
         raise validation_error(e) from None
     req.check_supported()
-    req.logprobs_k()  # raises for inconsistent logprobs fields
+    req.check_consistent()
     return req
 
 

@@ -8,7 +8,8 @@ the fuzzer (scripts/fuzz_api.py) checks every response against them.
 Logprobs come from the engine as `TokenLogprob`s (serve/types.py) and are rendered in OpenAI's shapes:
   completions: choices[i].logprobs = {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset},
                top_logprobs holding the k alternatives plus the chosen token (so up to k + 1 entries, as OpenAI
-               and vLLM answer), text_offset the character where each token's text starts;
+               and vLLM answer), text_offset the character where each token's text starts; with `echo` the
+               prompt's tokens come first, the first of them with null for its logprob and its alternatives;
   chat:        choices[i].logprobs = {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
 A token's string is its decoding alone (a byte-level token holding part of a character reads U+FFFD, as in
 vLLM); `bytes` are that string's UTF-8. JSON has no -inf: a logprob below LOGPROB_FLOOR is reported as it.
@@ -39,8 +40,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null: an echoed prompt's first token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -150,6 +151,30 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """GET /tokenizer_info (vLLM's): what a client needs to tokenize as the server does (lm-eval's remote
+    tokenizer reads it)."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -198,11 +223,15 @@ def completion_logprobs(entries: Sequence[tuple[TokenLogprob, int]], name: Token
     for lp, offset in entries:
         chosen = name(lp.token_id)
         out["tokens"].append(chosen)
+        out["text_offset"].append(offset)
+        if lp.logprob is None:  # an echoed prompt's first token
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
         out["token_logprobs"].append(_lp(lp.logprob))
         top = {name(t): _lp(v) for t, v in lp.top}
         top.setdefault(chosen, _lp(lp.logprob))
         out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
     return out
 
 
@@ -237,7 +266,8 @@ async def collect(gen: Generation, head: dict, chat: bool, want_logprobs: bool, 
                             "logprobs": lp, "finish_reason": c.finish_reason})
         else:
             lp = completion_logprobs(entries[c.index], names) if want_logprobs else None
-            choices.append({"index": c.index, "text": c.text.text, "logprobs": lp, "finish_reason": c.finish_reason})
+            choices.append({"index": c.index, "text": gen.text(c.index), "logprobs": lp,
+                            "finish_reason": c.finish_reason})
     obj = "chat.completion" if chat else "text_completion"
     return {**head, "object": obj, "choices": choices, "usage": gen.usage()}
 

@@ -1,17 +1,23 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an `EngineLike` (serve/types.py).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON, or SSE `data: {...}` chunks ending with
-`data: [DONE]` when `stream` is true), GET /v1/models, GET /health, GET /metrics (Prometheus text), and the
-OpenAPI schema of all of them at /openapi.json (request bodies from serve/protocol.py, responses from
-serve/responses.py; /docs renders it).
+`data: [DONE]` when `stream` is true), GET /v1/models, GET /health, GET /metrics (Prometheus text), vLLM's
+POST /tokenize, POST /detokenize and GET /tokenizer_info (the server's own tokenizer, so clients such as
+lm-eval count and split tokens as the server does), and the OpenAPI schema of all of them at /openapi.json
+(request bodies from serve/protocol.py, responses from serve/responses.py; /docs renders it).
 
 A POST passes, in order: the API key (401, when the server has one), the body checks (415 not JSON, 413 over
 `max_body_bytes`, 408 not sent within BODY_TIMEOUT_S), parsing and validation (400, serve/protocol.py), the model
 (404), the engine's health (503), admission (429 beyond `max_waiting` requests not yet started, or the engine's
 QueueFull), then tokenization and the chat template in a worker thread (the event loop never blocks on a long
-prompt), the context and vocabulary checks (400), and the engine. One HTTP request becomes one `Generation`
-(serve/generation.py): n engine requests (one per choice, seeds seed+i) whose outputs reach the event loop from
-the engine thread. Every way a request ends early (client disconnect during a stream or while waiting for a
+prompt), the context, vocabulary and prompt-logprob checks (400), and the engine. One HTTP request becomes one
+`Generation` (serve/generation.py): prompts × n engine requests (one per choice, seeds seed+j for the j-th
+choice of a prompt) whose outputs reach the event loop from the engine thread.
+
+Evaluation (`echo`): the prompt logprobs are the target's, from its prefill (whatever the drafter), computed
+only for requests that ask (echo with logprobs). Their cost is bounded per request: Σ over choices of prompt
+tokens × (logprobs + 1) at most `max_prompt_logprobs` (400 past it); a batch at most MAX_PROMPTS prompts and
+at most `max_waiting` choices. Every way a request ends early (client disconnect during a stream or while waiting for a
 non-streamed answer, task cancellation, `request_timeout_s` (504), a dead engine (503), an error) aborts its
 unfinished engine requests, which frees their KV pages. A request the engine fails answers the status the engine
 gives it (4xx: the request's fault; else 500), as an error event in a stream.
@@ -38,16 +44,29 @@ from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve import responses as R
-from serve.generation import Admission, ClientDisconnected, Generation
+from serve.generation import Admission, ClientDisconnected, Generation, Prompt, echo_of
 from serve.metrics import ServerMetrics
-from serve.protocol import INT64_MAX, MIN_TEMPERATURE, APIError, ChatCompletionRequest, CompletionRequest, parse_request
-from serve.text import as_text_tokenizer
+from serve.protocol import (
+    INT64_MAX,
+    MIN_TEMPERATURE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_request,
+)
+from serve.text import TokenizerAdapter, as_text_tokenizer
 from serve.types import EngineLike, SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_BODY_BYTES = 4 << 20
 BODY_TIMEOUT_S = 30.0
 PARSE_INLINE_BYTES = 64 << 10  # larger bodies are parsed in a worker thread
+# Echo with logprobs: at most this many prompt-logprob entries per request, Σ over its choices of prompt tokens ×
+# (logprobs + 1) (each token's logprob and its alternatives). 2^17 holds, say, 64 prompts of 1000 tokens at
+# logprobs=1 (lm-eval's loglikelihood batches) or one 6000-token prompt at logprobs=20.
+MAX_PROMPT_LOGPROBS = 1 << 17
 log = logging.getLogger(__name__)
 
 _ERRORS = {s: {"model": R.ErrorResponse, "description": d} for s, d in {
@@ -102,7 +121,7 @@ async def read_body(request: fastapi.Request, max_bytes: int) -> bytes:
 
 def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[dict]], list[int]],
               api_key: str | None = None, max_waiting: int = 256, request_timeout_s: float = 600.0,
-              max_body_bytes: int = MAX_BODY_BYTES) -> fastapi.FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, max_prompt_logprobs: int = MAX_PROMPT_LOGPROBS) -> fastapi.FastAPI:
     """The FastAPI app serving `engine`.
 
     Args:
@@ -116,6 +135,8 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
       max_waiting: engine requests admitted but not yet started, across the server; beyond it 429.
       request_timeout_s: a request running longer is aborted (504, or an error event in a stream).
       max_body_bytes: request bodies above it are refused (413).
+      max_prompt_logprobs: most prompt-logprob entries one echo request may ask for, Σ over its choices of
+        prompt tokens × (logprobs + 1); beyond it 400.
     """
     tok = as_text_tokenizer(tokenizer)
     names = R.TokenStrings(tok.decode)
@@ -152,41 +173,58 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
     async def _unexpected(request, e: Exception):
         return error_response(_internal_error(e))
 
-    def prompt_of(req) -> list[int]:
-        """Runs in a worker thread: tokenization and templates cost O(prompt)."""
-        if isinstance(req, ChatCompletionRequest):
-            try:
-                ids = list(chat_template(req.message_dicts()))
-            except (ValueError, jinja2.TemplateError) as e:  # e.g. the template's raise_exception("...")
-                raise APIError(f"cannot apply the chat template: {e}", param="messages", code="invalid_value") from None
-            param = "messages"
-        else:
-            p, param = req.prompt, "prompt"
-            if isinstance(p, list) and isinstance(p[0], int):  # token ids, passed through
-                ids = list(p)
-            else:  # a string or a list of one string
-                ids = tok.encode(p if isinstance(p, str) else p[0])
+    def chat_ids(messages: list[dict]) -> list[int]:
+        try:
+            return list(chat_template(messages))
+        except (ValueError, jinja2.TemplateError) as e:  # e.g. the template's raise_exception("...")
+            raise APIError(f"cannot apply the chat template: {e}", param="messages", code="invalid_value") from None
+
+    def check_ids(ids: list[int], param: str, what: str = "the prompt") -> list[int]:
         if not ids:
-            raise APIError("the prompt is empty", param=param, code="invalid_value")
+            raise APIError(f"{what} is empty", param=param, code="invalid_value")
         if max(ids) >= vocab:
-            raise APIError(f"prompt token id {max(ids)} is outside the vocabulary [0, {vocab})", param=param,
+            raise APIError(f"{what}: token id {max(ids)} is outside the vocabulary [0, {vocab})", param=param,
                            code="invalid_value")
         return ids
 
-    def sampling_of(req, prompt_len: int) -> list[SamplingParams]:
+    def prompts_of(req) -> list[Prompt]:
+        """Runs in a worker thread: tokenization, templates and echo texts cost O(prompt)."""
+        if isinstance(req, ChatCompletionRequest):
+            return [Prompt(check_ids(chat_ids(req.message_dicts()), "messages"))]
+        prompts = req.prompts()
+        out = []
+        for i, p in enumerate(prompts):
+            what = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+            ids = check_ids(list(p) if isinstance(p, list) else tok.encode(p), "prompt", what)
+            out.append(echo_of(ids, tok.decode, p if isinstance(p, str) else None) if req.echo else Prompt(ids))
+        return out
+
+    def check_prompt_logprobs(prompts: list[Prompt], params: list[SamplingParams]) -> None:
+        k = params[0].prompt_logprobs
+        if k is None:
+            return
+        n = len(params) // len(prompts)
+        tokens = n * sum(len(p.ids) for p in prompts)
+        if tokens * (k + 1) > max_prompt_logprobs:
+            raise APIError(f"echo with logprobs={k} over {tokens} prompt tokens (prompts × n) asks for "
+                           f"{tokens * (k + 1)} prompt logprobs (tokens × (logprobs + 1)); this server returns at "
+                           f"most {max_prompt_logprobs} per request. Send fewer or shorter prompts or a smaller "
+                           "logprobs.", param="prompt", code="prompt_logprobs_too_large")
+
+    def sampling_of(req, prompt_len: int, what: str = "the prompt") -> list[SamplingParams]:
         chat = isinstance(req, ChatCompletionRequest)
         limit, param = engine.max_model_len, "messages" if chat else "prompt"
         remaining = limit - prompt_len
         max_tokens = req.max_new_tokens() if chat else req.max_tokens
         if max_tokens is None:
             if remaining < 1:
-                raise APIError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                raise APIError(f"This model's maximum context length is {limit} tokens, but {what} has "
                                f"{prompt_len} tokens, leaving no room for a completion. Shorten the prompt.",
                                param=param, code="context_length_exceeded")
             max_tokens = remaining if chat else min(DEFAULT_COMPLETION_TOKENS, remaining)
         elif prompt_len + max_tokens > limit:
             raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                           f"{prompt_len + max_tokens} tokens ({prompt_len} in {what}, {max_tokens} for the "
                            f"completion). Reduce the prompt or max_tokens.", param=param,
                            code="context_length_exceeded")
         stop_ids = tuple(req.stop_token_ids or ())
@@ -196,9 +234,11 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
         top_k = req.top_k or 0
         top_k = top_k if 0 < top_k < vocab else 0  # -1 and 0 are off; keeping >= vocab tokens is keeping all
         temperature = 1.0 if req.temperature is None else req.temperature
+        k = req.logprobs_k()
         base = SamplingParams(max_tokens=max_tokens, temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
                               top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed,
-                              stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), logprobs=req.logprobs_k())
+                              stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), logprobs=k,
+                              prompt_logprobs=k if not chat and req.echo else None)
         return [dataclasses.replace(base, seed=None if req.seed is None else _wrap_int64(req.seed + i))
                 for i in range(req.n or 1)]
 
@@ -214,12 +254,19 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
                                status=404, param="model", code="model_not_found")
             if not engine.health():
                 raise APIError("the engine is not running", status=503, code="engine_down")
-            admission.check(req.n or 1)
-            prompt_ids = await asyncio.to_thread(prompt_of, req)
-            params = sampling_of(req, len(prompt_ids))
             chat = model_cls is ChatCompletionRequest
+            choices = (1 if chat else len(req.prompts())) * (req.n or 1)
+            if choices > admission.max_waiting:  # could never be admitted
+                raise APIError(f"{choices} choices (prompts × n) in one request; this server takes at most "
+                               f"{admission.max_waiting}", param="prompt", code="too_many_choices")
+            admission.check(choices)
+            prompts = await asyncio.to_thread(prompts_of, req)
+            many = len(prompts) > 1
+            params = [q for i, p in enumerate(prompts)
+                      for q in sampling_of(req, len(p.ids), f"prompt {i}" if many else "the prompt")]
+            check_prompt_logprobs(prompts, params)
             base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            gen = Generation(engine, prompt_ids, params, base_id=base_id, decode=tok.decode, stop=req.stop_strings(),
+            gen = Generation(engine, prompts, params, base_id=base_id, decode=tok.decode, stop=req.stop_strings(),
                              admission=admission, timeout_s=request_timeout_s)
             gen.submit()
             head = {"id": base_id, "created": int(time.time()), "model": engine.model_name}
@@ -258,6 +305,57 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
         """Chat completion (OpenAI `POST /v1/chat/completions`); SSE chunks when `stream` is true."""
         return await serve(request, ChatCompletionRequest)
 
+    async def parse_small(request: fastapi.Request, model_cls):
+        body = await read_body(request, max_body_bytes)
+        req = (await asyncio.to_thread(parse_request, body, model_cls) if len(body) > PARSE_INLINE_BYTES
+               else parse_request(body, model_cls))
+        if req.model is not None and req.model != engine.model_name:
+            raise APIError(f"The model '{req.model}' does not exist; this server serves '{engine.model_name}'.",
+                           status=404, param="model", code="model_not_found")
+        return req
+
+    def tokenize(req: TokenizeRequest) -> dict:
+        if req.messages is not None:
+            ids = chat_ids(req.message_dicts())
+        elif req.add_special_tokens:
+            if not isinstance(tok, TokenizerAdapter):
+                raise APIError("this server's tokenizer cannot add special tokens", param="add_special_tokens",
+                               code="invalid_value")
+            ids = tok.encode(req.prompt, add_special_tokens=True)
+        else:
+            ids = tok.encode(req.prompt)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": [names(i) for i in ids] if req.return_token_strs else None}
+
+    def detokenize(req: DetokenizeRequest) -> dict:
+        if req.tokens and max(req.tokens) >= vocab:
+            raise APIError(f"token id {max(req.tokens)} is outside the vocabulary [0, {vocab})", param="tokens",
+                           code="invalid_value")
+        return {"prompt": tok.decode(req.tokens)}
+
+    tokenize_errors = {s: _ERRORS[s] for s in (400, 401, 404, 408, 413, 415, 500)}
+
+    @app.post("/tokenize", dependencies=v1, response_model=R.TokenizeResponse, openapi_extra=body_doc(
+        TokenizeRequest), responses=tokenize_errors)
+    async def tokenize_route(request: fastapi.Request) -> dict:
+        """Token ids of a prompt (or chat messages) as the server tokenizes them (vLLM's `POST /tokenize`)."""
+        req = await parse_small(request, TokenizeRequest)
+        return await asyncio.to_thread(tokenize, req)
+
+    @app.post("/detokenize", dependencies=v1, response_model=R.DetokenizeResponse, openapi_extra=body_doc(
+        DetokenizeRequest), responses=tokenize_errors)
+    async def detokenize_route(request: fastapi.Request) -> dict:
+        """The text of token ids, decoded as completions text is (vLLM's `POST /detokenize`)."""
+        req = await parse_small(request, DetokenizeRequest)
+        return await asyncio.to_thread(detokenize, req)
+
+    info = tokenizer_info(tokenizer, engine.max_model_len)
+
+    @app.get("/tokenizer_info", dependencies=v1, response_model=R.TokenizerInfo, responses={401: _ERRORS[401]})
+    async def tokenizer_info_route() -> dict:
+        """The tokenizer's class, special tokens and chat template (vLLM's `GET /tokenizer_info`)."""
+        return info
+
     @app.get("/v1/models", dependencies=v1, response_model=R.ModelList, responses={401: _ERRORS[401]})
     async def models() -> dict:
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
@@ -280,11 +378,13 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest, R.CompletionChunk, R.ChatCompletionChunk):
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                          R.CompletionChunk, R.ChatCompletionChunk):
                 doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(doc.pop("$defs", {}))
                 components[model.__name__] = doc
             _bound_token_ids(components["CompletionRequest"]["properties"]["prompt"], vocab)
+            _bound_token_ids(components["DetokenizeRequest"]["properties"]["tokens"], vocab)
             for model in (CompletionRequest, ChatCompletionRequest):
                 _bound_token_ids(components[model.__name__]["properties"]["stop_token_ids"], vocab)
             app.openapi_schema = schema
@@ -299,6 +399,21 @@ def _bound_token_ids(prop: dict, vocab: int) -> None:
     for alt in prop.get("anyOf", [prop]):
         if alt.get("type") == "array" and alt.get("items", {}).get("type") == "integer":
             alt["items"]["maximum"] = vocab - 1
+        elif alt.get("type") == "array" and alt.get("items", {}).get("type") == "array":  # a batch of id lists
+            _bound_token_ids(alt["items"], vocab)
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """/tokenizer_info's body: the special tokens and chat template a transformers tokenizer carries (None
+    where the tokenizer has none, e.g. a bare `tokenizers.Tokenizer`)."""
+
+    def attr(name):
+        v = getattr(tokenizer, name, None)
+        return v if isinstance(v, str) else None
+
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": attr("eos_token"),
+            "bos_token": attr("bos_token"), "pad_token": attr("pad_token"), "unk_token": attr("unk_token"),
+            "chat_template": attr("chat_template"), "model_max_length": max_model_len}
 
 
 def _wrap_int64(x: int) -> int:

@@ -21,6 +21,10 @@ request (the engine knows stop token ids only, not stop strings).
 
 `ends[i]` is the length of the text once token i was decoded, so token i's text is `text[ends[i-1]:ends[i]]`
 (empty while it was pending); logprobs use it to travel with their token's text and for `text_offset`.
+
+`context`: ids that precede the text (an echoed prompt) and are decoded only as context for the first piece,
+so that the text continues them as `decode(context + ids)` would (the space a SentencePiece or word-level
+tokenizer puts between them).
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ class ChoiceText:
     Args:
       decode: token ids -> text (special tokens skipped).
       stop: stop strings (non-empty), any number.
+      context: ids the text continues (their last MAX_PENDING are decoded with the first piece, not part of it).
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), context: Sequence[int] = ()):
         self._decode = decode
+        self._context = [int(t) for t in context[len(context) - MAX_PENDING :]] if len(context) else []
         self._stop = tuple(stop)
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self.ids: list[int] = []  # every generated id received (usage counts these)
@@ -101,8 +107,10 @@ class ChoiceText:
         return self.ends[i - 1] if i > 0 else 0
 
     def _next_piece(self, *, force: bool) -> str:
-        prefix_text = self._decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
-        new_text = self._decode(self.ids[self._prefix :])
+        ctx = self._context if self._prefix == 0 else []  # only the first piece follows the context
+        window = ctx + self.ids[self._prefix : self._read]
+        prefix_text = self._decode(window) if window else ""
+        new_text = self._decode(ctx + self.ids[self._prefix :])
         if (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")) or force:
             self._prefix, self._read = self._read, len(self.ids)
             return new_text[len(prefix_text) :]

@@ -35,8 +35,10 @@ class TokenizerAdapter:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        out = self.tokenizer.encode(text, add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids; `add_special_tokens` adds what the tokenizer adds around a text (e.g. BOS): only for
+        /tokenize's flag, never for prompts (the server's prompts are encoded without them)."""
+        out = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return [int(i) for i in getattr(out, "ids", out)]
 
     def decode(self, ids: Sequence[int]) -> str:

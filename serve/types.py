@@ -1,10 +1,10 @@
 """The contract between the HTTP layer (serve/server.py) and the engine (serve/engine.py).
 
-The server validates OpenAI requests, tokenizes, and submits one `EngineRequest` per choice (n > 1 gives n
-requests with seeds seed, seed+1, …). The engine runs in its own thread and reports tokens through the
-request's `on_output` callback, from that thread; the server bridges them into asyncio. Stop *strings* are
-the server's job (it detokenizes incrementally, truncates, and calls `abort`); stop *token ids* (EOS and
-`stop_token_ids`) and `max_tokens` are the engine's.
+The server validates OpenAI requests, tokenizes, and submits one `EngineRequest` per choice (a batch of
+prompts with n each gives prompts × n requests, the j-th choice of a prompt seeded seed + j). The engine runs
+in its own thread and reports tokens through the request's `on_output` callback, from that thread; the server
+bridges them into asyncio. Stop *strings* are the server's job (it detokenizes incrementally, truncates, and
+calls `abort`); stop *token ids* (EOS and `stop_token_ids`) and `max_tokens` are the engine's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Protocol
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """Per-request sampling: temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """Per-request sampling: temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters. max_tokens
+    0 scores the prompt only (with prompt_logprobs): the request ends after its prefill, with no token."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -26,6 +27,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k in 0..MAX_LOGPROBS: each emitted token's logprob and the top k
+    # None: off; k in 0..MAX_LOGPROBS: each prompt token's logprob and the top k (echo; from the target's prefill)
+    prompt_logprobs: int | None = None
 
 
 MAX_LOGPROBS = 20
@@ -35,10 +38,12 @@ MAX_LOGPROBS = 20
 class TokenLogprob:
     """The target's log-probability of one emitted token (raw model distribution: log_softmax of the logits,
     before temperature and filtering, as vLLM reports by default) and the `top` most likely alternatives
-    (token id, logprob), most likely first. Lossless verification makes these exactly target-only values."""
+    (token id, logprob), most likely first. Lossless verification makes these exactly target-only values.
+    A prompt token's logprob is the same quantity at its prompt position; the first prompt token has none
+    (nothing precedes it): `logprob` None and no alternatives."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -53,6 +58,8 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # aligned with token_ids when the request asked for them
+    # Aligned with prompt_ids, on the first report only, when the request asked for prompt_logprobs.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     status: int | None = None  # with error: the HTTP status the failure maps to (4xx: the request's fault)
 
 
@@ -78,6 +85,7 @@ class EngineLike(Protocol):
     def add_request(self, request: EngineRequest) -> None:
         """Queues a request (thread-safe). Raises ValueError (→ 400) for a request it can never serve: empty
         prompt, a token id outside [0, vocab_size), prompt + max_tokens over max_model_len, bad sampling values.
+        With `params.prompt_logprobs` its first report carries the prompt's logprobs (`RequestOutput`).
         Raises `QueueFull` (→ 429) when its bounded waiting queue is full."""
 
     def abort(self, request_id: str) -> None:

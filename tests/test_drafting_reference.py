@@ -117,7 +117,7 @@ def runner_rounds_against_reference(hf, target, drafter, prompts, rounds: int, a
     seqs = []
     for b, p in enumerate(prompts):
         for start in range(0, len(p), 4):
-            tok, _ = runner.prefill(p[start : start + 4], start, pages[b], keys[b], 0.0, 0, 1.0)
+            tok = runner.prefill(p[start : start + 4], start, pages[b], keys[b], 0.0, 0, 1.0)[0]
         seqs.append(list(p) + [tok])
     accepted, max_err = 0, 0.0
     for rnd in range(1, rounds + 1):

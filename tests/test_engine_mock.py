@@ -9,6 +9,8 @@ The mock world (vocabulary V):
   verify   ℓ from the host (`lengths`) or by top-K fill of the current survival (`budget` K); accepted m = the
            leading draft tokens among the ℓ verified that equal the target's token; emitted = the m accepted
            + 1 (bonus or recovered) = anchor+1 … anchor+m+1.
+  prompt   (prompt logprobs) prompt token t after x has logprob `prompt_logprob(x, t)` and the top alternatives
+           x+1, x+2, … with logprobs 0, −1/8, −2/8, …
   cache    one token per (page, offset): prefill and verify write through the block tables, and every pass
            reads each slot's context 0..n−1 back, so a wrong table, a shared page or a bad recompute shows up
            as a context that differs from prompt + generated (`check_contexts`).
@@ -35,6 +37,11 @@ WRONG = 500  # a wrong draft token is the correct one shifted by this much
 
 
 # ---- the mock runner ------------------------------------------------------------------------------------------------
+def prompt_logprob(prev: int, t: int) -> float:
+    """The mock target's logprob of prompt token t after prev (a row misaligned by one position shows)."""
+    return -((t - prev) % V) / V
+
+
 def survival_np(conf: np.ndarray) -> np.ndarray:
     """a_k = c_1⋯c_k, f32 [B, L] (numpy twin of dspark_jax.scheduling.survival)."""
     return np.minimum.accumulate(np.cumprod(conf.astype(np.float32), axis=-1), axis=-1)
@@ -119,7 +126,7 @@ class MockRunner:
         return sorted({(pick(r, self.batch_buckets), pick(t, self.capacities)) for r in range(1, self.B + 1)
                        for t in range(r, r * (ld + 1) + 1) if t <= self.capacities[-1]})
 
-    def prefill(self, tokens, start, table_row, key, temperature, top_k, top_p, logprobs=False):
+    def prefill(self, tokens, start, table_row, key, temperature, top_k, top_p, logprobs=False, prompt_targets=None):
         assert 0 < len(tokens) <= self.chunk_sizes[-1], f"chunk of {len(tokens)} tokens"
         assert len(table_row) == self.max_pages
         self._context(table_row, start)  # the earlier chunks landed
@@ -129,7 +136,15 @@ class MockRunner:
         pages = [int(p) for p in table_row if p != self.tkv.num_pages]
         self.prefills.append(Prefill(seed, start, [int(t) for t in tokens], pages))
         self.events.append(("prefill", seed, start, len(tokens)))
-        return (int(tokens[-1]) + 1) % V, None
+        prompt_lp = None
+        if prompt_targets is not None:  # row j scores prompt_targets[j], the prompt token after tokens[j]
+            assert 0 < len(prompt_targets) <= len(tokens)
+            self.events.append(("prompt_logprobs", seed, start, len(prompt_targets)))
+            x = np.asarray(tokens[: len(prompt_targets)], np.int64)
+            chosen = np.asarray([prompt_logprob(a, b) for a, b in zip(x, prompt_targets, strict=True)])
+            prompt_lp = (chosen, ((x[:, None] + 1 + np.arange(20)) % V).astype(np.int32),
+                         np.tile(-np.arange(20) / 8, (len(x), 1)))
+        return (int(tokens[-1]) + 1) % V, None, prompt_lp
 
     def empty_batch(self, rows: int) -> StepBatch:
         Bb, M = pick(max(rows, 1), self.batch_buckets), self.max_pages
@@ -532,10 +547,38 @@ def test_add_request_validation():
     assert out.tokens("fits") == continuation(list(range(30)), 10)[0]
 
 
-def test_max_tokens_zero_is_rejected():
-    core, _ = make_core("fixed:1")
-    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
-        submit(core, Outputs(), "zero", [1, 2], 0, seed=1)
+def expected_prompt_logprobs(prompt, k: int) -> list[tuple[int, float | None, tuple]]:
+    """(token, logprob, top k) of each prompt token in the mock world; the first has none."""
+    return [(prompt[0], None, ())] + [(t, prompt_logprob(x, t), tuple(((x + 1 + i) % V, -i / 8) for i in range(k)))
+                                      for x, t in zip(prompt[:-1], prompt[1:], strict=True)]
+
+
+def got_prompt_logprobs(out: Outputs, rid: str) -> list:
+    """The prompt logprobs a request reported (asserting they came once, with its first report)."""
+    reports = [o for _, o in out.by_id[rid]]
+    assert all(o.prompt_logprobs is None for o in reports[1:]), rid
+    return [(lp.token_id, lp.logprob, lp.top) for lp in reports[0].prompt_logprobs]
+
+
+def test_max_tokens_zero_scores_the_prompt_only():
+    """max_tokens 0 (echo scoring): the request ends after its prefill with no token, its prompt logprobs on
+    its one report, chunk by chunk (chunks of 8: rows 0..7 score tokens 1..8, rows 8..9 tokens 9..10)."""
+    core, runner = make_core("fixed:1", chunk_sizes=(4, 8))
+    out = Outputs()
+    prompt = [7, 3, 900, 12, 12, 40, 41, 2, 999, 5, 6]
+    submit(core, out, "zero", prompt, 0, seed=1, prompt_logprobs=2)
+    submit(core, out, "one", [5], 0, seed=2, prompt_logprobs=0)
+    drain(core, out)
+    assert out.chunks("zero") == [((), "length")] and out.chunks("one") == [((), "length")]
+    assert got_prompt_logprobs(out, "zero") == expected_prompt_logprobs(prompt, 2)
+    assert got_prompt_logprobs(out, "one") == [(5, None, ())]
+    assert [e for e in runner.events if e[0] == "prompt_logprobs"] == [("prompt_logprobs", 1, 0, 8),
+                                                                       ("prompt_logprobs", 1, 8, 2)]
+    assert not runner.passes and all_pages_free(core)
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 0"):
+        submit(core, Outputs(), "negative", [1, 2], -1, seed=1)
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        submit(core, Outputs(), "many", [1, 2], 1, seed=1, prompt_logprobs=21)
 
 
 def test_constructor_validation():
@@ -632,6 +675,34 @@ def test_preemption_of_a_prefilling_request():
     assert out.tokens("a") == list(range(14, 34)) and out.finish("a") == "length"
     check_contexts(runner, {1: list(range(10, 34)), 2: list(range(100, 124))})
     assert all_pages_free(core) and core.stats["preemptions_total"] == 1
+
+
+def test_prompt_logprobs_under_preemption():
+    """The two preemptions above with prompt logprobs asked: a request preempted in its prefill computes them
+    again from its first chunk (those of the lost chunk are dropped, not reported twice); one preempted after
+    its first output recomputes its cache without them (they were already reported)."""
+    core, runner = make_core("fixed:2", B=2, L=2, max_model_len=24, num_pages=8)
+    out = Outputs()
+    long = list(range(100, 120))
+    submit(core, out, "a", [10, 11, 12, 13], 20, seed=1, prompt_logprobs=1)
+    submit(core, out, "long", long, 4, seed=2, prompt_logprobs=3)
+    drain(core, out)
+    assert core.stats["preemptions_total"] == 1
+    assert [e[1:] for e in runner.events if e[0] == "prompt_logprobs" and e[1] == 2] == [(2, 0, 8), (2, 0, 8),
+                                                                                        (2, 8, 8), (2, 16, 3)]
+    assert got_prompt_logprobs(out, "long") == expected_prompt_logprobs(long, 3)
+    assert got_prompt_logprobs(out, "a") == expected_prompt_logprobs([10, 11, 12, 13], 1)
+    assert out.tokens("long") == [120, 121, 122, 123]
+
+    core, runner = make_core("fixed:2", B=2, L=2, max_model_len=24, num_pages=8)
+    out = Outputs()
+    submit(core, out, "a", [10, 11, 12, 13], 16, seed=1)
+    submit(core, out, "b", [50, 51, 52, 53], 16, seed=2, prompt_logprobs=0)
+    drain(core, out)
+    assert core.stats["preemptions_total"] == 1  # "b", after its first output: recomputed without them
+    assert [e[1:] for e in runner.events if e[0] == "prompt_logprobs"] == [(2, 0, 3)]
+    assert got_prompt_logprobs(out, "b") == expected_prompt_logprobs([50, 51, 52, 53], 0)
+    assert out.tokens("b") == list(range(54, 70))
 
 
 # ---- schedulers -----------------------------------------------------------------------------------------------------

@@ -211,7 +211,6 @@ UNSUPPORTED = [  # (endpoint, field, a value that changes the output, the neutra
     ("completions", "presence_penalty", 0.5, 0), ("completions", "frequency_penalty", -1.0, 0.0),
     ("completions", "repetition_penalty", 1.2, 1), ("completions", "min_p", 0.1, 0),
     ("completions", "logit_bias", {"5": 100}, {}), ("completions", "best_of", 2, 1),
-    ("completions", "echo", True, False),
     ("completions", "suffix", "t9", ""),
     ("chat", "response_format", {"type": "json_object"}, {"type": "text"}),
     ("chat", "response_format", {"type": "text", "json_schema": {}}, {"type": "text"}),

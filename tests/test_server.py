@@ -7,9 +7,10 @@ thread every `step_s`. It honours max_tokens, the model's context, stop_token_id
 ignore_eos, and abort; each request holds KV "pages" from admission to its end, so tests can assert that
 every way a request ends gives them back. With `logprobs=k`, token t has logprob `fake_logprob(t)` and the
 alternatives `fake_top(t, k)`; with `prompt_logprobs=k` so does every prompt token but the first (None), on
-the first report; max_tokens 0 ends after that report. Prompts that start with token 98 are aborted with an error (no status: a 500),
-97 with an error of status 400 (the request's fault); prompts that start with 99 make add_request raise
-RuntimeError (an engine bug → 500). `queue_limit` makes add_request raise QueueFull beyond that many waiting.
+the first report; max_tokens 0 ends after that report. Prompts that start with token 98 are aborted with an
+error (no status: a 500), 97 with an error of status 400 (the request's fault); prompts that start with 99 make
+add_request raise RuntimeError (an engine bug → 500). `queue_limit` makes add_request raise QueueFull beyond
+that many waiting.
 
 The tokenizer is a word-level `tokenizers.Tokenizer` over "t0".."t99" plus chat specials (no download);
 decoding joins words with spaces, so `text(ids) == " ".join(f"t{i}")`.

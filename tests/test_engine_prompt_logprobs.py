@@ -1,0 +1,92 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`, what `echo` scores) from the engine's chunked prefill
+(serve/engine.py, `prefill_program` in dspark_jax/runner.py), on a tiny real target with a drafter.
+
+The oracle is the transformers model the target was loaded from: every prompt token after the first has the
+log-softmax of its logits at the position before, with the same top alternatives, across chunk boundaries,
+whatever the drafter and scheduler, under preemption, for prompts of one token and for `max_tokens` 0 (the
+request ends after its prefill). Asking for them compiles nothing new (the flag is traced, not static).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import hf_logits, make_hf_model, target_from_hf
+from test_spec_decode import _drafter
+
+import dspark_jax
+from dspark_jax.runner import COMPILES, PROGRAMS
+from serve.engine import create_engine
+from serve.types import EngineRequest, SamplingParams
+
+LENGTHS = [1, 8, 9, 20, 33, 17, 2]  # chunks of 8: one-token prompts, exact multiples, ragged tails
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf = make_hf_model("llama", tied=True)
+    target = target_from_hf(hf, tmp_path_factory.mktemp("llama"))
+    drafter = _drafter(target, "dspark", 4, seed=3, num_layers=1, markov_rank=8)
+    prompts = [[int(x) for x in np.random.default_rng(50 + i).integers(3, 128, size=n)] for i, n in enumerate(LENGTHS)]
+    return hf, target, drafter, prompts
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_prompt_logprobs_equal_the_targets_log_softmax(tiny):
+    hf, target, drafter, prompts = tiny
+    # 18 pages of 4 (one request of max_model_len): two long requests cannot both grow, so some are preempted.
+    engine = create_engine(target_obj=target, drafter_obj=drafter, scheduler="fixed:3", max_batch=2,
+                           max_model_len=64, page_size=4, num_pages=18, chunk_sizes=(8,), profile=False,
+                           progress=False)
+    core = engine.core_only()
+    try:
+        compiled = {k: COMPILES[k] for k in PROGRAMS}
+        params = {}
+        for i in range(len(prompts)):
+            k = [3, 0, None, 20, 5, 2, 1][i]
+            params[str(i)] = SamplingParams(max_tokens=[0, 12, 12, 12, 0, 12, 12][i], prompt_logprobs=k,
+                                            logprobs=k if i % 3 == 0 else None, ignore_eos=True,
+                                            **({"temperature": 0.8, "seed": i} if i == 5 else {"temperature": 0.0}))
+        outs: dict[str, list] = {}
+        for i, p in enumerate(prompts):
+            core.add_request(EngineRequest(request_id=str(i), prompt_ids=p, params=params[str(i)],
+                                           on_output=lambda o: outs.setdefault(o.request_id, []).append(o)))
+        while core.has_work():
+            core.step()
+        assert core.stats["preemptions_total"] > 0
+        assert {k: COMPILES[k] for k in PROGRAMS} == compiled  # asking for them compiled nothing
+        greedy = dspark_jax.generate(target, prompts, max_new_tokens=12, ignore_eos=True).tokens
+        for i, p in enumerate(prompts):
+            rid, sp = str(i), params[str(i)]
+            reports = outs[rid]
+            gen = [t for o in reports for t in o.token_ids]
+            assert reports[-1].finish_reason == "length" and len(gen) == sp.max_tokens, rid
+            if sp.temperature == 0.0:
+                assert gen == greedy[i][: sp.max_tokens], rid
+            carrying = [o.prompt_logprobs for o in reports if o.prompt_logprobs is not None]
+            if sp.prompt_logprobs is None:
+                assert not carrying, rid
+                continue
+            assert len(carrying) == 1 and reports[0].prompt_logprobs is carrying[0], rid  # the first report only
+            plp = carrying[0]
+            assert [lp.token_id for lp in plp] == p and plp[0].logprob is None and plp[0].top == ()
+            exact = _log_softmax(hf_logits(hf, np.asarray([p + gen]))[0])
+            for j in range(1, len(p)):
+                row = exact[j - 1]
+                np.testing.assert_allclose(plp[j].logprob, row[p[j]], atol=1e-4, err_msg=f"{rid} prompt {j}")
+                top = np.argsort(-row, kind="stable")[: sp.prompt_logprobs]
+                assert [t for t, _ in plp[j].top] == list(top), (rid, j)
+                np.testing.assert_allclose([v for _, v in plp[j].top], row[top], atol=1e-4)
+            if sp.logprobs is not None:  # the generated tokens continue the same distribution
+                lps = [lp for o in reports for lp in o.logprobs or ()]
+                for j, (lp, t) in enumerate(zip(lps, gen, strict=True)):
+                    np.testing.assert_allclose(lp.logprob, exact[len(p) - 1 + j, t], atol=1e-4)
+        m = core.metrics()
+        assert m["free_pages"] == m["total_pages"]
+    finally:
+        engine.stop()
+

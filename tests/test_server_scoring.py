@@ -1,0 +1,204 @@
+"""Evaluation-grade completions through the server (serve/server.py, serve/generation.py) against the
+hand-computable FakeEngine of test_server.py: `echo` with prompt logprobs, `max_tokens: 0` scoring, batched
+prompts (choices indexed prompt × n, as OpenAI does), and vLLM's /tokenize, /detokenize and /tokenizer_info.
+
+The request shapes are the ones EleutherAI's lm-eval harness sends (`local-completions`): loglikelihood as
+{"prompt": [[ids], ...], "echo": true, "logprobs": 1, "max_tokens": 1, "temperature": 0}, read back as
+choices[i].logprobs.token_logprobs[ctxlen:-1]; the real harness runs in tests/test_lm_eval.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_server import EOS, IM_START, MODEL, TEMPLATE, FakeEngine, expected_ids, fake_logprob, fake_top, make_tokenizer
+
+from serve import responses as R
+from serve.server import ServerThread, build_app
+from serve.text import ChatFormatter, TokenizerAdapter
+
+
+def _app(engine, **kw):
+    tok = make_tokenizer()
+    return build_app(engine, tok, chat_template=ChatFormatter(TEMPLATE, TokenizerAdapter(tok).encode), **kw)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = FakeEngine()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(_app(engine, max_prompt_logprobs=600)) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=10)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=10) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _pages_back(engine):
+    yield
+    assert engine.wait_idle(), f"{engine.free_pages=} != {engine.total_pages=}"
+
+
+def _top(t: int, k: int) -> dict:
+    """top_logprobs of a token: its k alternatives and itself."""
+    return {f"t{a}": max(lp, -9999.0) for a, lp in fake_top(t, k)} | {f"t{t}": fake_logprob(t)}
+
+
+def test_echo_prepends_the_prompt_and_its_logprobs(client):
+    gen = expected_ids(3, 3)  # 24, 71, 0
+    r = client.completions.create(model=MODEL, prompt="t1 t2 t3", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text == "t1 t2 t3 t24 t71 t0"  # the completion continues the prompt as decode(prompt + completion)
+    lp = c.logprobs
+    assert lp.tokens == ["t1", "t2", "t3"] + [f"t{t}" for t in gen]
+    assert lp.token_logprobs == [None] + [fake_logprob(t) for t in [2, 3] + gen]  # nothing predicts the first
+    assert lp.top_logprobs == [None] + [_top(t, 2) for t in [2, 3] + gen]
+    assert lp.text_offset == [0, 2, 5, 8, 12, 16]
+    assert [c.text[o:].split()[0] for o in lp.text_offset] == lp.tokens
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 3)
+    # echo without logprobs: text only; a token-id prompt echoes its decoding
+    r = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text == "t1 t2 t3 t24 t71 t0" and r.choices[0].logprobs is None
+    # a stop string applies to the completion only
+    r = client.completions.create(model=MODEL, prompt="t1 t2 t3", max_tokens=3, echo=True, stop="t71", logprobs=0)
+    assert r.choices[0].text == "t1 t2 t3 t24 " and r.choices[0].logprobs.tokens[-1] == "t71"
+
+
+def test_max_tokens_0_scores_the_prompt_only(client, http):
+    r = client.completions.create(model=MODEL, prompt="t4 t5 t6", max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == "t4 t5 t6" and c.finish_reason == "length"
+    assert c.logprobs.token_logprobs == [None, fake_logprob(5), fake_logprob(6)]
+    assert c.logprobs.top_logprobs == [None, _top(5, 1), _top(6, 1)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 0)
+    err = http.post("/v1/completions", json={"model": MODEL, "prompt": "t4", "max_tokens": 0}).json()["error"]
+    assert err["param"] == "max_tokens" and "echo" in err["message"]
+
+
+def test_batched_prompts_index_choices_prompt_by_n(client, engine):
+    r = client.completions.create(model=MODEL, prompt=[[1], [5, 6]], n=2, max_tokens=4, temperature=0.7, seed=10)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    want = [expected_ids(1, 4, 10), expected_ids(1, 4, 11), expected_ids(6, 4, 10), expected_ids(6, 4, 11)]
+    assert [c.text for c in r.choices] == [" ".join(f"t{t}" for t in w) for w in want]
+    assert [q.params.seed for q in engine.added[-4:]] == [10, 11, 10, 11]  # seed + j for the j-th of a prompt
+    assert [q.prompt_ids for q in engine.added[-4:]] == [[1], [1], [5, 6], [5, 6]]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 16)  # each prompt counted once
+    r = client.completions.create(model=MODEL, prompt=["t7", "t8 t9"], max_tokens=2, temperature=0, echo=True)
+    assert [c.text for c in r.choices] == ["t7 " + "t52 t67", "t8 t9 " + "t66 t65"]
+
+
+def test_lm_eval_loglikelihood_request(http):
+    """lm-eval's loglikelihood batch: context + continuation as token ids, the continuation scored by
+    token_logprobs[ctxlen:-1] and greedy when each is its position's top logprob."""
+    ctx, cont = [10, 11, 12], [13, 14]
+    body = {"model": MODEL, "prompt": [ctx + cont, [4, 5]], "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0, "seed": 1234}
+    out = http.post("/v1/completions", json=body).json()
+    R.CompletionResponse.model_validate(out)
+    c = sorted(out["choices"], key=lambda c: c["index"])
+    assert c[0]["logprobs"]["token_logprobs"][len(ctx):-1] == [fake_logprob(13), fake_logprob(14)]
+    assert c[1]["logprobs"]["token_logprobs"] == [None, fake_logprob(5), fake_logprob(next_id := 38)]
+    assert c[1]["logprobs"]["tokens"][-1] == f"t{next_id}"
+    top = c[0]["logprobs"]["top_logprobs"][len(ctx)]
+    assert top == _top(13, 1)
+
+
+def test_echo_streams_the_prompt_first(client):
+    chunks = list(client.completions.create(model=MODEL, prompt=[[1, 2], [3]], max_tokens=3, temperature=0,
+                                            echo=True, logprobs=0, stream=True))
+    for i, prompt in enumerate(([1, 2], [3])):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].text.startswith(" ".join(f"t{t}" for t in prompt))
+        text = "".join(m.text for m in mine)
+        gen = expected_ids(prompt[-1], 3)
+        assert text == " ".join(f"t{t}" for t in prompt + gen)
+        lps = sum((m.logprobs.token_logprobs for m in mine if m.logprobs), [])
+        assert lps == [None] + [fake_logprob(t) for t in prompt[1:] + gen]
+
+
+@pytest.mark.parametrize("body,entries", [  # the server's bound here: 600 = prompt tokens × (logprobs + 1) × n
+    ({"prompt": [[1] * 100] * 6, "logprobs": 0}, 600), ({"prompt": [[1] * 100] * 6, "logprobs": 1}, 1200),
+    ({"prompt": [1] * 100, "logprobs": 5}, 600), ({"prompt": [1] * 60, "logprobs": 4, "n": 3}, 900),
+    ({"prompt": ["t1 " * 200], "logprobs": 2}, 600), ({"prompt": ["t1 " * 201], "logprobs": 2}, 603),
+])
+def test_prompt_logprob_cost_is_bounded(http, body, entries):
+    r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 1, "echo": True, **body})
+    if entries <= 600:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("prompt", "prompt_logprobs_too_large"), err
+    assert f"{entries} prompt logprobs" in err["message"] and "600" in err["message"]
+
+
+def test_too_many_choices_is_400_not_429(engine):
+    with ServerThread(_app(engine, max_waiting=8)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": ["t1"] * 5, "n": 2, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices", r.text
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": ["t1"] * 4, "n": 2, "max_tokens": 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8
+
+
+def test_tokenize_detokenize_and_tokenizer_info(http):
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "t1 t2 <|im_end|>"}).json()
+    assert r == {"count": 3, "max_model_len": 256, "tokens": [1, 2, EOS], "token_strs": None}
+    r = http.post("/tokenize", json={"prompt": "t5 t6", "return_token_strs": True, "add_special_tokens": True})
+    assert r.json()["token_strs"] == ["t5", "t6"]
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "t1"}]}).json()
+    assert r["tokens"] == [IM_START, 1, EOS, IM_START]  # as /v1/chat/completions renders them
+    assert http.post("/detokenize", json={"tokens": [1, 2, EOS]}).json() == {"prompt": "t1 t2"}
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": []}).json() == {"prompt": ""}
+    for path, body, param in (("/detokenize", {"tokens": [FakeEngine.vocab_size]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+                              ("/tokenize", {"prompt": "t1", "messages": [{"role": "user", "content": "t1"}]},
+                               "prompt"), ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 3}, "prompt"),
+                              ("/tokenize", {"prompt": "t1", "frobnicate": 1}, "frobnicate")):
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert http.post("/tokenize", json={"model": "gpt-4", "prompt": "t1"}).status_code == 404
+    assert http.post("/tokenize", content=b"t1", headers={"content-type": "text/plain"}).status_code == 415
+    info = http.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == "Tokenizer" and info["model_max_length"] == 256 and "eos_token" in info
+
+
+def test_tokenizer_info_of_a_transformers_tokenizer():
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from serve.server import tokenizer_info
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "</s>": 1}, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="a")
+    fast.chat_template = "{{ messages }}"
+    info = tokenizer_info(fast, 64)
+    assert info == {"tokenizer_class": type(fast).__name__, "eos_token": "</s>", "bos_token": None,
+                    "pad_token": None, "unk_token": "a", "chat_template": "{{ messages }}", "model_max_length": 64}
+    json.dumps(info)
+
+
+def test_openapi_describes_the_new_routes_and_fields(http):
+    doc = http.get("/openapi.json").json()
+    assert {"/tokenize", "/detokenize", "/tokenizer_info"} <= set(doc["paths"])
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert props["echo"]["anyOf"][0] == {"type": "boolean"} and props["max_tokens"]["anyOf"][0]["minimum"] == 0
+    batch = [a for a in props["prompt"]["anyOf"] if a["type"] == "array" and a["items"].get("type") == "array"]
+    assert batch[0]["items"]["items"]["maximum"] == FakeEngine.vocab_size - 1 and batch[0]["maxItems"] == 128
