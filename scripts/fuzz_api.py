@@ -4,10 +4,12 @@ REAL server (loopback only). Not a pytest test; tests/test_hostile_http.py runs 
   1. Starts `python -m dspark_jax.serve` on a free loopback port with small sizes (or uses --base-url), reads
      /openapi.json and takes a greedy reference: one completion (token-id prompt) and one chat, non-streamed.
   2. Sends at least --cases generated requests within --minutes: schema-valid ("positive") and schema-violating
-     ("negative") bodies for /v1/completions and /v1/chat/completions, plus /v1/models, /health, /metrics. The
-     strategy is the server's schema with three overrides that keep it cheap and meaningful: `model` names the
-     served model (else nearly every case is a 404), `max_tokens` / `max_completion_tokens` are at most
-     --max-tokens, and a body without either gets `max_tokens` (chat would otherwise fill the context).
+     ("negative") bodies for /v1/completions (echo, logprobs, prompt batches included), /v1/chat/completions,
+     /tokenize and /detokenize, plus /v1/models, /tokenizer_info, /health, /metrics. The strategy is the server's
+     schema with four overrides that keep it cheap and meaningful: `model` names the served model (else nearly
+     every case is a 404), `max_tokens` / `max_completion_tokens` are at most --max-tokens, a body without either
+     gets `max_tokens` (chat would otherwise fill the context), and a prompt batch within the server's limit holds
+     at most MAX_FUZZ_PROMPTS prompts (one over the limit is sent as it is: it must be a 400).
   3. Checks every response: no status >= 500, and (unless --no-schema-checks) the status code, content type and
      JSON body are the ones the schema documents.
   4. Afterwards: /health is 200, the server process is alive, every KV page is free again (/metrics) and the
@@ -35,9 +37,12 @@ import time
 
 import httpx
 
+from serve.protocol import MAX_PROMPTS
+
 SERVER_ARGS = ["--max-batch", "4", "--max-model-len", "256", "--log-level", "warning"]
 CHAT_PROMPT = [{"role": "user", "content": "Name three colours."}]
 MAX_FAILURE_EXAMPLES = 5
+MAX_FUZZ_PROMPTS = 4  # prompts of a generated batch (each is an engine request per choice)
 
 
 @dataclasses.dataclass
@@ -83,6 +88,9 @@ class FuzzReport:
 def fuzz_schema(doc: dict, model: str, max_tokens: int) -> dict:
     """The server's schema with the fuzzing overrides (served model, small max_tokens)."""
     doc = copy.deepcopy(doc)
+    for name in ("TokenizeRequest", "DetokenizeRequest"):  # `model` optional there
+        doc["components"]["schemas"][name]["properties"]["model"] = {"anyOf": [{"type": "string", "enum": [model]},
+                                                                            {"type": "null"}]}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = doc["components"]["schemas"][name]["properties"]
         props["model"] = {"type": "string", "enum": [model]}
@@ -95,7 +103,7 @@ def fuzz_schema(doc: dict, model: str, max_tokens: int) -> dict:
 def _cap(case, max_tokens: int):
     """Bounds the work a case asks for, whatever the generator made (negative cases included)."""
     body = case.body
-    if isinstance(body, dict) and case.operation.method.upper() == "POST":
+    if isinstance(body, dict) and case.operation.path.startswith("/v1/"):  # (not /tokenize, /detokenize)
         present = False
         for field in ("max_tokens", "max_completion_tokens"):
             v = body.get(field)
@@ -105,6 +113,10 @@ def _cap(case, max_tokens: int):
                     body[field] = max_tokens
         if not present and "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = max_tokens
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) and \
+                MAX_FUZZ_PROMPTS < len(prompt) <= MAX_PROMPTS:
+            body["prompt"] = prompt[:MAX_FUZZ_PROMPTS]
     return case
 
 

@@ -7,7 +7,8 @@ KV page must be free again. Classes covered: token ids and integers out of range
 content type, non-finite numbers and invalid Unicode, unknown and unsupported parameters, bounds on stop
 strings and stop token ids, engine failures with their status, the engine's QueueFull and the server's own
 admission bound (429), the request time limit (504), a dead engine (503, no request left hanging), the API key,
-and the event loop staying responsive while a slow chat template runs.
+the event loop staying responsive while a slow chat template runs, and the evaluation fields (echo with prompt
+logprobs, max_tokens 0, prompt batches, /tokenize and /detokenize) at and past their bounds.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ OUT_OF_RANGE = [
     ({"top_k": 2**64}, "top_k"), ({"top_k": -2}, "top_k"), ({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
     ({"max_tokens": 2**40}, "max_tokens"), ({"max_tokens": 2**31}, "max_tokens"), ({"n": 2**31}, "n"),
     ({"temperature": 2.5}, "temperature"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+    ({"prompt": [[1], [103]]}, "prompt"), ({"prompt": [[1], [2**40]]}, "prompt"), ({"prompt": [[1], [-1]]}, "prompt"),
+    ({"prompt": [[1], [True]]}, "prompt"), ({"echo": 1}, "echo"), ({"echo": "true"}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": False}, "max_tokens"),
 ]
 
 
@@ -264,6 +268,73 @@ def test_stop_strings_are_bounded(http, stop, ok):
         assert r.status_code == 200, r.text
     else:
         assert _error(r, 400)["param"].startswith("stop")
+
+
+# ---- evaluation fields: echo, prompt logprobs, batches, /tokenize -------------------------------------------
+@pytest.mark.parametrize("body,status,code", [
+    ({"prompt": [[5] * 150] * 60, "logprobs": 20}, 400, "prompt_logprobs_too_large"),  # 9000 tokens × 21
+    ({"prompt": [5] * 251, "logprobs": 20, "n": 8, "max_tokens": 6}, 400, "context_length_exceeded"),
+    ({"prompt": ["t1"] * 10_000}, 400, None), ({"prompt": [[1]] * 10_000}, 400, None),  # over MAX_PROMPTS
+    ({"prompt": [[1]] * 128, "n": 8}, 400, "too_many_choices"),  # 1024 choices: never admissible
+    ({"prompt": [[1]] * 10_000, "echo": True, "logprobs": 20}, 400, None),
+    ({"prompt": [[1], [1] * 300, [2]], "echo": True, "max_tokens": 0}, 400, "context_length_exceeded"),
+    ({"prompt": [[97, 1], [1, 2]], "echo": True, "logprobs": 2}, 400, "engine_abort"),  # one prompt fails
+    ({"prompt": [[98, 1]] * 3, "echo": True, "max_tokens": 0}, 500, "engine_abort"),
+    ({"prompt": [1] * 255, "echo": True, "logprobs": 20, "n": 8, "max_tokens": 1}, 200, None),  # 255 × 21 × 8
+    ({"prompt": [[5] * 200] * 31, "echo": True, "logprobs": 20, "max_tokens": 0}, 200, None),  # 6200 × 21
+])
+def test_echo_and_batch_bounds(http, body, status, code):
+    """Past a bound: 4xx (a prompt batch's engine failure passes its status on), the other prompts aborted;
+    at a bound: served. Either way nobody else's output changes (checked after every test)."""
+    r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 2, "echo": True, **body})
+    if status == 200:
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert all(c["logprobs"]["token_logprobs"][0] is None for c in choices) and len(choices) % 8 in (0, 7)
+        return
+    err = _error(r, status, code=code)
+    if code is None:
+        assert err["param"] == "prompt" and "at most 128 prompts" in err["message"], err
+
+
+def test_echo_streams_bounded_and_failing_batches(http):
+    _, events = _stream_text(http, "/v1/completions", {"model": MODEL, "prompt": [[1, 2], [97, 3]], "echo": True,
+                                                        "logprobs": 1, "max_tokens": 3})
+    assert events[-1]["error"]["code"] == "engine_abort"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [[5] * 150] * 60, "logprobs": 20, "echo": True,
+                                           "stream": True})
+    _error(r, 400, code="prompt_logprobs_too_large")  # refused before the stream starts
+
+
+def test_scoring_load_leaves_other_users_unchanged(server, baseline):
+    """Echo batches at the prompt-logprob bound in flight while a reference completion runs: it is unchanged."""
+    body = {"model": MODEL, "prompt": [[5] * 200] * 31, "echo": True, "logprobs": 20, "max_tokens": 0}
+    with httpx.Client(base_url=server.base_url, timeout=30) as c, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        heavy = [pool.submit(c.post, "/v1/completions", json=body) for _ in range(3)]
+        assert _reference(c) == baseline
+        assert [f.result().status_code for f in heavy] == [200] * 3
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"prompt": "t1 " * 20_000}, 200, None),  # 60 kB: within the body cap
+    ("/tokenize", {"prompt": "t1 " * 30_000}, 413, None),
+    ("/tokenize", {"prompt": "t1", "messages": [{"role": "user", "content": "t1"}]}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "t1"}], "add_special_tokens": True}, 400,
+     "add_special_tokens"),
+    ("/tokenize", {"prompt": "t1 \ud800"}, 400, None),
+    ("/tokenize", {"prompt": ["t1"]}, 400, "prompt"),
+    ("/detokenize", {"tokens": [2**63]}, 400, "tokens"), ("/detokenize", {"tokens": [103]}, 400, "tokens"),
+    ("/detokenize", {"tokens": list(range(100)) * 100}, 200, None), ("/detokenize", {"tokens": "t1"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model"),
+])
+def test_tokenize_bounds(http, path, body, status, param):
+    raw = json.dumps(body).encode()  # (ensure_ascii: an unpaired surrogate goes as its \\u escape)
+    r = http.post(path, content=raw, headers=JSON)
+    if status == 200:
+        assert r.status_code == 200, r.text
+        return
+    err = _error(r, status)
+    assert param is None or err["param"] == param, err
 
 
 # ---- engine failures and back-pressure ------------------------------------------------------------------------
@@ -425,6 +496,7 @@ def test_fuzz_tiny_real_engine(tmp_path):
     print(report.summary())
     assert report.ok, report.summary()
     assert report.sent == 100 and report.by_status[200] >= 10  # some requests reached the engine
+    assert {"POST /v1/completions", "POST /tokenize", "POST /detokenize"} <= set(report.by_operation)
 
 
 def test_body_that_never_arrives_is_408(server, monkeypatch):
