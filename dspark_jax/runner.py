@@ -127,6 +127,7 @@ class Pass(NamedTuple):
     confidence: jax.Array  # f32 [Bb, L]
     logprobs: tuple  # (logprob [Bb, L+1], top ids [Bb, L+1, k], top logprobs [Bb, L+1, k]); zeros unless asked
     capacity: int
+    packed: jax.Array | None = None  # int32 [Bb, L+4]: the first four, packed for one read-back (`_packed`)
 
 
 @jax.jit
@@ -254,7 +255,8 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
     what a target-only step does plus the drafter's context write, and samples its token as `verify` does at
     ℓ = 0 (the same key, the same draw).
 
-    Returns (tkv, dkv, emitted [Bb, L+1], num_emitted [Bb], num_accepted [Bb], lengths [Bb], logprobs)."""
+    Returns (tkv, dkv, emitted [Bb, L+1], num_emitted [Bb], num_accepted [Bb], lengths [Bb], logprobs,
+    the four before it packed for the host, `_packed`)."""
     L = block_size
     active, n, anchors, tables = batch["active"], batch["lengths"], batch["anchors"], batch["block_tables"]
     Bb = active.shape[0]
@@ -292,7 +294,7 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
         tok = _first_token(first, verify_keys, greedy, temp, tk, tp)
         emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
         lp = _logprob_outputs(first[:, None], emitted, jnp.any(batch["logprobs"] & active))
-        return tkv, dkv, emitted, zeros + 1, zeros, lengths, lp
+        return tkv, dkv, emitted, zeros + 1, zeros, lengths, lp, _packed(emitted, zeros + 1, zeros, lengths)
     if mode == "plain":  # ℓ = 0 for every row: the token after each anchor, drawn as `verify` draws it at ℓ = 0
         emit_keys = jax.vmap(lambda k: jax.random.split(k)[1])(verify_keys)
         tok = _first_token(first, emit_keys, greedy, temp, tk, tp)
@@ -307,7 +309,14 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
     if dg is not None:
         dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, tables)
     lp = _logprob_outputs(flat_logits, res.emitted_tokens, jnp.any(batch["logprobs"] & active), rows)
-    return tkv, dkv, res.emitted_tokens, res.num_emitted, res.num_accepted, lengths, lp
+    return (tkv, dkv, res.emitted_tokens, res.num_emitted, res.num_accepted, lengths, lp,
+            _packed(res.emitted_tokens, res.num_emitted, res.num_accepted, lengths))
+
+
+def _packed(emitted, num_emitted, num_accepted, lengths):
+    """What the host reads back of every round, as one int32 [Bb, L+4] array (one transfer, not four):
+    emitted tokens [:, :L+1], then num_emitted, num_accepted and ℓ."""
+    return jnp.concatenate([emitted, num_emitted[:, None], num_accepted[:, None], lengths[:, None]], 1)
 
 
 # ---- host side ------------------------------------------------------------------------------------------------
@@ -354,6 +363,7 @@ class ModelRunner:
         # start placed so too (they come back from every program).
         self._placement = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
                            else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        self._mesh = mesh
         tc = target.config
         self.tkv = PagedKV.init(num_layers=tc.num_layers, num_pages=num_pages, num_kv_heads=tc.num_kv_heads,
                                 page_size=page_size, head_dim=tc.head_dim, dtype=DTYPES[self.kv_dtype],
@@ -381,6 +391,7 @@ class ModelRunner:
             lm_head = TargetHead.from_params(self.tparams, target.config.tie_word_embeddings).lm_head
             self.dhead = draft_vocab.subset_head(lm_head, drafter.config)
         self._placeholders: dict = {}  # batch bucket → placeholder drafts of a plain step
+        self._uploads: dict = {}  # small host arrays already on device, by value (`_put_cached`)
         self._static = dict(tg=Static(tgraph), dg=Static(drafter.graphdef) if drafter is not None else None,
                             hidden_layers=drafter.config.target_layers if drafter is not None else (),
                             kernels=kernels)
@@ -445,6 +456,17 @@ class ModelRunner:
         """A host value (or pytree of them) on device, committed to the runner's one batch placement."""
         return jax.device_put(x, self._placement)
 
+    def _put_cached(self, x: np.ndarray):
+        """`_put` of a small host array, kept by value: a step's ℓ, budget or block tables repeat from step to
+        step, and each upload costs the host tens of microseconds of Python (bounded: a few hundred entries)."""
+        key = (x.dtype.str, x.shape, x.tobytes())
+        got = self._uploads.get(key)
+        if got is None:
+            if len(self._uploads) >= 512:
+                self._uploads.clear()
+            got = self._uploads[key] = self._put(x)
+        return got
+
     def device_batch(self, b: StepBatch) -> dict:
         """The step's arrays on device (uploaded once; `draft` and `step` share them)."""
         return self._put({"active": np.asarray(b.active, bool), "lengths": np.asarray(b.lengths, np.int32),
@@ -486,19 +508,19 @@ class ModelRunner:
         if self.drafter is not None and drafts is None:
             drafts = self._draft(dev)
         if drafts is None:  # target only
-            drafts = self._put((np.zeros((Bb, 0), np.int32), np.zeros((Bb, 0, 1), np.float32),
-                                np.zeros((Bb, 0), np.float32)))
+            drafts = (self._put_cached(np.zeros((Bb, 0), np.int32)), self._put_cached(np.zeros((Bb, 0, 1), np.float32)),
+                      self._put_cached(np.zeros((Bb, 0), np.float32)))
         draft, q, conf = drafts
         mode = ("plain" if plain_pass else "topk" if budget is not None else "policy" if policy is not None
                 else "lengths")
-        arg = self._put(np.int32(budget if budget is not None else 0) if lengths is None
-                        else np.asarray(lengths, np.int32))
+        arg = self._put_cached(np.asarray(budget if budget is not None else 0, np.int32) if lengths is None
+                               else np.asarray(lengths, np.int32))
         s = self._static
-        self.tkv, self.dkv, emitted, num_emitted, m, ls, lp = verify_program(
+        self.tkv, self.dkv, emitted, num_emitted, m, ls, lp, packed = verify_program(
             self.tparams, self.dparams, self.tkv, self.dkv, dev, draft, q, conf, arg, tg=s["tg"], dg=s["dg"],
             capacity=capacity, mode=mode, block_size=self.L, hidden_layers=s["hidden_layers"], kernels=s["kernels"],
             policy=policy)
-        return Pass(emitted, num_emitted, m, ls, conf, lp, capacity)
+        return Pass(emitted, num_emitted, m, ls, conf, lp, capacity, packed)
 
     def step(self, b: StepBatch, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
              drafts=None, dev: dict | None = None, want_confidence: bool = False) -> StepResult:
@@ -513,20 +535,22 @@ class ModelRunner:
         """Waits for a dispatched round and reads back what the host needs: rows 0..rows−1 of the emitted
         tokens, counts and ℓ, and the confidences and logprobs only when asked for."""
         want_confidence = want_confidence and self.L > 0
-        got = jax.device_get((out.emitted, out.num_emitted, out.num_accepted, out.lengths)
-                             + ((out.confidence,) if want_confidence else ())
+        got = jax.device_get((out.packed,) + ((out.confidence,) if want_confidence else ())
                              + ((out.logprobs,) if want_logprobs else ()))
-        emitted, num_emitted, m, ls = (x[:rows] for x in got[:4])
-        confidence = got[4][:rows] if want_confidence else None
+        packed, L1 = got[0][:rows], self.L + 1
+        emitted, num_emitted, m, ls = packed[:, :L1], packed[:, L1], packed[:, L1 + 1], packed[:, L1 + 2]
+        confidence = got[1][:rows] if want_confidence else None
         logprobs = tuple(x[:rows] for x in got[-1]) if want_logprobs else None
         return StepResult(emitted, num_emitted, m, ls, confidence, out.capacity, logprobs)
 
     def advance(self, dev: dict, out: Pass, block_tables: np.ndarray | None = None) -> dict:
         """The device batch of the round after `out`, built on device (`advance`), with fresh block tables
         when pages were added; dispatching it needs no host read of `out`."""
-        nxt = self._put(advance(dev, out.emitted, out.num_accepted))  # (a no-op where already placed so)
+        nxt = advance(dev, out.emitted, out.num_accepted)  # on the batch placement already (a jit output)
+        if self._mesh is not None:
+            nxt = self._put(nxt)  # a mesh output may come back with another, equivalent sharding: one placement
         if block_tables is not None:
-            nxt["block_tables"] = self._put(np.asarray(block_tables, np.int32))
+            nxt["block_tables"] = self._put_cached(np.asarray(block_tables, np.int32))
         return nxt
 
     def _no_drafts(self, Bb: int):

@@ -397,7 +397,7 @@ def test_hostile_values_fail_alone_and_pages_cannot_leak(tiny, runners):
         ([V], {}), ([-1], {}), ([2**40], {}), ([3, 2**31], {}),  # token ids outside [0, V)
         ([3, 4], {"temperature": float("nan")}), ([3, 4], {"top_p": 0.0}), ([3, 4], {"top_k": -5}),
         ([3, 4], {"seed": 2**70}), ([3, 4], {"logprobs": 99}), ([3, 4], {"stop_token_ids": (V + 1,)}),
-        ([3, 4], {"max_tokens": 0}),
+        ([3, 4], {"max_tokens": -1}),  # (0 is a prompt scored, nothing generated: the server's echo)
     ]
     for i, (prompt, params) in enumerate(refused):
         with pytest.raises(ValueError):
