@@ -111,7 +111,8 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
         # in one parallel pass from the Markov embeddings it returns (no sequential dependency left).
         seeds = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
         w1, w2 = model.markov_w1[...], model.markov_w2[...]
-        out = kernels_lib.markov_sample(U, w1, w2, anchor, temperature.astype(jnp.float32), seeds)
+        out = kernels_lib.markov_sample(U, w1, w2, anchor, temperature.astype(jnp.float32), seeds,
+                                        mesh=kernels_lib.KernelConfig.parse(kernels).mesh)
         bias = jnp.einsum("BLR,RV->BLV", out.e, w2, preferred_element_type=jnp.float32)
         probs = filter_probs(U + bias, temperature, top_k, top_p)
         conf = jax.nn.sigmoid(jax.vmap(model.confidence_logit, in_axes=1, out_axes=1)(h, out.e) / temps + offsets)

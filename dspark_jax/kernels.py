@@ -18,10 +18,14 @@ KERNEL_MODES = ("auto", "pallas", "reference")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
-    """Which path each kernel takes: `markov` (draft sampling) and `attention` (target forward)."""
+    """Which path each kernel takes: `markov` (draft sampling) and `attention` (target forward), and the device
+    mesh the programs run on (None: one device). On a mesh a kernel runs inside `shard_map`, each device on its
+    own heads: XLA cannot partition a custom call, so a kernel in a sharded program would otherwise get whole
+    (all-gathered) page pools."""
 
     markov: str = "auto"
     attention: str = "auto"
+    mesh: jax.sharding.Mesh | None = None
 
     def __post_init__(self):
         for mode in (self.markov, self.attention):
@@ -32,6 +36,10 @@ class KernelConfig:
     def parse(cls, spec: str | KernelConfig) -> KernelConfig:
         """A KernelConfig, or one mode string for every kernel."""
         return spec if isinstance(spec, KernelConfig) else cls(markov=spec, attention=spec)
+
+    def on(self, mesh) -> KernelConfig:
+        """The same modes on `mesh` (a hashable static argument of the serving programs)."""
+        return dataclasses.replace(self, mesh=mesh)
 
     def pallas(self, kernel: str) -> bool:
         """Whether `kernel` ("attention" or "markov") runs as the Pallas kernel here (`use_pallas`)."""
@@ -57,16 +65,22 @@ def use_pallas(mode: str, *, kernel: str) -> bool:
     return mode == "pallas"
 
 
-def markov_sample(U, w1, w2, anchor, temperature, seeds):
+def markov_sample(U, w1, w2, anchor, temperature, seeds, mesh=None):
     """The fused Markov-head sampler (pallas_kernels/markov_sample.py), interpreted on CPU.
 
     U [B, L, V], w1 [V, R], w2 [R, V], anchor int32 [B], temperature f32 [B], seeds uint32 [B, 2] →
     MarkovSample(tokens [B, L], logq [B, L], lse [B, L], e [B, L, R]). Temperature-only: callers route batches
-    with top-k/top-p to the scan path.
+    with top-k/top-p to the scan path. On a `mesh` it runs under `shard_map`, replicated (the draft batch is
+    replicated, and the sampler reads whole vocabulary rows), so no custom call sits in a partitioned program.
     """
     from pallas_kernels.markov_sample import markov_sample as kernel
 
-    return kernel(U, w1, w2, anchor, temperature, seeds)
+    if mesh is None:
+        return kernel(U, w1, w2, anchor, temperature, seeds)
+    from jax.sharding import PartitionSpec as P
+
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(P(),) * 6, out_specs=P(), check_vma=False)(
+        U, w1, w2, anchor, temperature, seeds)
 
 
 def cached_attention(q, k_buf, v_buf, positions):
@@ -94,10 +108,14 @@ def cached_attention(q, k_buf, v_buf, positions):
 
 
 def ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, *, max_q_len: int,
-                     use_kernel: bool, layer=None):
+                     use_kernel: bool, layer=None, mesh=None):
     """Attention of a flat bucket of query tokens over paged caches: the Pallas kernel, or its jnp reference
     (one request at a time, working set [max_q_len, N, S]). Shapes as in ragged_verify_attention; with `layer`,
-    stacked pools [num_layers, P, K, page_size, H] read at that layer."""
+    stacked pools [num_layers, P, K, page_size, H] read at that layer. With a `mesh` whose `model` axis divides
+    the query and KV heads (as the sharding rules split them), the kernel runs under `shard_map`, each device on
+    its heads' queries and pool shards; otherwise replicated."""
+    if use_kernel and mesh is not None and "model" in mesh.shape and mesh.shape["model"] > 1:
+        return _sharded_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, layer, mesh)
     from pallas_kernels.ragged_verify_attention import (
         ragged_verify_attention,
         ragged_verify_attention_reference,
@@ -109,3 +127,25 @@ def ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_star
         k_pages, v_pages = k_pages[layer], v_pages[layer]
     return ragged_verify_attention_reference(q, k_pages, v_pages, block_tables, context_lens, query_start,
                                              max_q_len=max_q_len)
+
+
+def _sharded_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start, layer, mesh):
+    """The ragged attention kernel under `shard_map` over the mesh's `model` axis (heads), every other input
+    replicated: GQA groups stay whole on a device because N and K are split by the same factor."""
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels.ragged_verify_attention import ragged_verify_attention
+
+    m = mesh.shape["model"]
+    N, K = q.shape[1], k_pages.shape[-3]
+    heads = "model" if N % m == 0 and K % m == 0 else None
+    pool = P(None, heads, None, None) if layer is None else P(None, None, heads, None, None)
+    layer = jax.numpy.zeros((), jax.numpy.int32) if layer is None else layer
+    stacked = k_pages.ndim == 5
+
+    def local(q, k, v, tables, lens, starts, i):
+        return ragged_verify_attention(q, k, v, tables, lens, starts, layer=i if stacked else None)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, heads, None), pool, pool, P(), P(), P(), P()),
+                         out_specs=P(None, heads, None), check_vma=False)(
+        q, k_pages, v_pages, block_tables, context_lens, query_start, layer)

@@ -270,7 +270,8 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
     """
     cfg = model.cfg
     page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
-    use_kernel = kernels_lib.KernelConfig.parse(kernels).pallas("attention")
+    kcfg = kernels_lib.KernelConfig.parse(kernels)
+    use_kernel = kcfg.pallas("attention")
     x = model.embed_tokens(tokens[None])  # [1, T, D]
     angles = rope_angles(pos[None], rope_inv_freq(cfg.rope, cfg.head_dim), x.dtype)
     slots = hidden_slots(cfg.num_layers, tuple(hidden_layers))
@@ -284,7 +285,7 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
         k_pool, v_pool = write_pages(k_pool, k[0], page, off, i), write_pages(v_pool, v[0], page, off, i)
         if use_kernel:
             a = kernels_lib.ragged_attention(q[0], k_pool, v_pool, block_tables, context_lens, query_start,
-                                             max_q_len=max_q_len, use_kernel=True, layer=i)
+                                             max_q_len=max_q_len, use_kernel=True, layer=i, mesh=kcfg.mesh)
         else:
             a = batched_ragged_attention(q[0], k_pool, v_pool, block_tables, context_lens, query_start,
                                          max_q_len=max_q_len, layer=i)

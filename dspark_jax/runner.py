@@ -394,7 +394,7 @@ class ModelRunner:
         self._uploads: dict = {}  # small host arrays already on device, by value (`_put_cached`)
         self._static = dict(tg=Static(tgraph), dg=Static(drafter.graphdef) if drafter is not None else None,
                             hidden_layers=drafter.config.target_layers if drafter is not None else (),
-                            kernels=kernels)
+                            kernels=kcfg.on(mesh))  # kernels under shard_map on a mesh
 
     @property
     def traces(self) -> collections.Counter:

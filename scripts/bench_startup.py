@@ -56,8 +56,9 @@ def first_answer(port: int, cache: str, server_args: list[str], timeout: float) 
                 pass
             time.sleep(0.2)
         up = time.perf_counter() - t0
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         r = httpx.post(f"{url}/v1/chat/completions", timeout=timeout,
-                       json={"model": "default", "messages": [{"role": "user", "content": MESSAGE}],
+                       json={"model": model, "messages": [{"role": "user", "content": MESSAGE}],
                              "max_tokens": 32, "temperature": 0.0})
         r.raise_for_status()
         answered = time.perf_counter() - t0
