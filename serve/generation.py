@@ -1,9 +1,10 @@
 """One HTTP request's engine requests (one per choice) and the bridge from the engine thread into asyncio.
 
 A request holds one or more prompts (a completions batch) and n choices per prompt: choice i·n + j is the j-th
-of prompt i. The engine calls each request's `on_output` from its own thread; `loop.call_soon_threadsafe` moves
-every `RequestOutput` onto the Generation's asyncio.Queue, and `events()` turns them into `Event`s: text deltas
-per choice (`ChoiceText`: incremental detokenization and stop strings) with the logprobs of the tokens whose
+of prompt i. The engine calls each request's `on_output` from its own thread; a per-loop `_Mailbox` moves every
+`RequestOutput` onto the Generation's asyncio.Queue (one wake-up of the event loop per batch of outputs, not one
+per output: an engine step at 32 requests reports 32 outputs at once), and `events()` turns them into `Event`s:
+text deltas per choice (`ChoiceText`: incremental detokenization and stop strings) with the logprobs of the tokens whose
 text they complete. With `echo`, a choice's first event starts with its prompt's text and, when asked, the
 prompt tokens' logprobs (from the engine's first report). A stop string aborts that choice's engine request;
 `close()` aborts all unfinished ones and is what every exit of a request calls.
@@ -17,8 +18,11 @@ server: beyond its bound a new request is refused with 429 before it reaches the
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from serve.protocol import APIError
@@ -28,6 +32,50 @@ from serve.types import EngineLike, EngineRequest, QueueFull, RequestOutput, Sam
 POLL_S = 0.25  # how often a waiting request checks its deadline, the engine and (non-streamed) its client
 RETRY_AFTER_S = 1
 log = logging.getLogger(__name__)
+
+
+class _Mailbox:
+    """Outputs handed from the engine thread to one event loop. `post` appends and wakes the loop only when the
+    box was empty (`call_soon_threadsafe` writes to the loop's self-pipe: a system call and a wake-up each), and
+    the loop drains everything posted by then into the owners' queues in one callback."""
+
+    _boxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _boxes_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        with cls._boxes_lock:
+            box = cls._boxes.get(loop)
+            if box is None:
+                box = cls._boxes[loop] = cls(loop)
+            return box
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        """Runs on the engine thread. Raises RuntimeError when the loop is closed."""
+        with self.lock:
+            self.items.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            with self.lock:
+                self.scheduled = False
+            raise
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, collections.deque()
+            self.scheduled = False
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 class ClientDisconnected(Exception):
@@ -110,6 +158,7 @@ class Generation:
         self.deadline, self.timeout_s = self.loop.time() + timeout_s, timeout_s
         self._next_check = self.loop.time() + POLL_S
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self._mailbox = _Mailbox.of(self.loop)
         self.choices = []
         for i in range(len(self.params)):
             prompt = self.prompts[i // n]
@@ -141,7 +190,7 @@ class Generation:
     def _callback(self, index: int) -> Callable[[RequestOutput], None]:
         def on_output(out: RequestOutput) -> None:  # runs on the engine thread
             try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
+                self._mailbox.post(self.queue, (index, out))
             except RuntimeError:  # the event loop is closed: the server has shut down, nobody listens
                 pass
 
