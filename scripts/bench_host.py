@@ -5,13 +5,13 @@ it (scheduling, uploads, dispatch, read-back, HTTP).
     python scripts/bench_host.py                      # c = 1 and 32, pipelined and synchronous, 3 rounds
     python scripts/bench_host.py --concurrency 1 8 32 --max-tokens 200 --rounds 3 --out reports/<date>/host
 
-The target is a randomly initialised Llama saved as a Hugging Face directory (config.json, safetensors and a
-word-level tokenizer) and loaded the way `python -m dspark_jax.serve --target DIR --drafter none` loads it;
-`--startup blocking` semantics (every shape compiled before the clock starts). Each request asks for
-`--max-tokens` greedy tokens with EOS ignored; wall time per step = the level's wall time / the engine steps it
-took (prefill chunks included); the client runs in its own process. Pipelined (round n+1 dispatched before round n is read back, the default) and
-synchronous engines alternate on the same compiled runner; their outputs must be equal (checked). Prints
-one row per (concurrency, mode) with the median over rounds and the synchronous / pipelined ratio.
+The target is a randomly initialised Llama saved as a Hugging Face directory (config.json, safetensors and a word-
+level tokenizer) and loaded the way `python -m dspark_jax.serve --target DIR --drafter none` loads it; `--startup
+blocking` semantics (every shape compiled before the clock starts). Each request asks for `--max-tokens` greedy
+tokens with EOS ignored; wall time per step = the level's wall time / the engine steps it took (prefill chunks
+included); the client runs in its own process. Pipelined (round n+1 dispatched before round n is read back, the
+default) and synchronous engines alternate on the same compiled runner; their outputs must be equal (checked).
+Prints one row per (concurrency, mode) with the median over rounds and the synchronous / pipelined ratio.
 """
 
 from __future__ import annotations
