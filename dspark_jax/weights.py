@@ -4,13 +4,20 @@ Every source (a Hugging Face directory of safetensors, or a GGUF file already re
 `gguf_file.read_gguf`) yields a flat dict of HF tensor names → numpy arrays. `WEIGHT_TABLE` maps each HF
 name pattern to our parameter path and a layout transform (HF `Linear.weight` is [out, in]; we store
 einsum layouts, see layers.py). Missing, unexpected or mis-shaped tensors are errors, never skipped.
+
+`load_sharded` reads the same table the other way round for a multi-host job: each process reads only the
+slices of the tensors its own devices hold (`jax.make_array_from_callback`), straight from the safetensors
+bytes (local files memory-mapped, `gs://` and other etils.epath URIs by ranged reads), and never holds the
+whole model or widens it to float32 on the host.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import struct
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -172,3 +179,195 @@ def build_decoder(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.fl
         filled[key] = jnp.asarray(arr, dtype=dtype)
     nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(filled))
     return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-host sharded loading: the table read backwards, one slice at a time.
+
+# The transforms above that transpose an HF [out, in] matrix; the rest keep HF's dimension order. Every transform
+# then only splits dimensions (a C-order reshape), so a slice of our layout maps back to a range of each HF
+# dimension: what lets `load_sharded` read just the part of a tensor a device holds.
+_TRANSPOSED = (_t, _q_in, _kv_in, _o_in)
+_FILE_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "U8": "uint8", "BOOL": "bool"}
+
+
+class SafetensorsSlices:
+    """The tensors of a Hugging Face safetensors directory (one file or an index of shards), read slice by slice.
+
+    Opening reads only the headers (8-byte length + JSON: dtype, shape, byte offsets per tensor). `read` returns
+    a sub-array in the file's dtype: local files through a memory map (only the pages of the slice are touched),
+    remote ones (`gs://…`, any etils.epath URI; `ranged=True` forces this path) by one ranged read of the rows
+    [r0, r1) of the tensor's first dimension, the other dimensions then sliced in memory. `bytes_read` counts the
+    bytes asked for.
+    """
+
+    def __init__(self, directory, *, ranged: bool | None = None):
+        from etils import epath
+
+        self.directory = epath.Path(directory)
+        self.ranged = "://" in os.fspath(directory) if ranged is None else ranged
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (self.directory / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
+        self.tensors: dict[str, tuple] = {}  # name → (file, numpy dtype, shape, absolute byte offset)
+        for fname in files:
+            path = self.directory / fname
+            if not path.exists():
+                raise ValueError(f"{directory} lacks the shard {fname} its index names")
+            with path.open("rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if info["dtype"] not in _FILE_DTYPES:
+                    raise ValueError(f"{fname}: tensor {name} has unsupported dtype {info['dtype']}")
+                dtype = np.dtype(jnp.dtype(_FILE_DTYPES[info["dtype"]]))
+                self.tensors[name] = (path, dtype, tuple(info["shape"]), 8 + n + info["data_offsets"][0])
+        self.bytes_read = 0
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name][2]
+
+    def read(self, name: str, ranges: list[tuple[int, int]]) -> np.ndarray:
+        """x[r0:r1, s0:s1, ...] of tensor `name` ([start, stop) per dimension, HF layout, the file's dtype)."""
+        path, dtype, shape, offset = self.tensors[name]
+        if not shape:
+            ranges = []
+        if not self.ranged:
+            mm = np.memmap(os.fspath(path), dtype=dtype, mode="r", offset=offset, shape=shape)
+            out = np.array(mm[tuple(slice(a, b) for a, b in ranges)])
+        else:
+            (r0, r1), rest = (ranges[0], ranges[1:]) if shape else ((0, 1), [])
+            row = math.prod(shape[1:]) * dtype.itemsize
+            with path.open("rb") as f:
+                f.seek(offset + r0 * row)
+                buf = f.read((r1 - r0) * row)
+            out = np.frombuffer(buf, dtype).reshape((r1 - r0, *shape[1:]) if shape else ())
+            out = out[(slice(None), *(slice(a, b) for a, b in rest))] if shape else out
+        self.bytes_read += out.nbytes
+        return out
+
+
+def _groups(ours: tuple[int, ...], hf: tuple[int, ...], where: str) -> list[list[int]]:
+    """Which of our dimensions each HF dimension (already in our order) splits into: consecutive runs whose
+    product is that HF dimension's size."""
+    groups, i = [], 0
+    for size in hf:
+        group, prod = [], 1
+        while i < len(ours) and (not group or prod < size):
+            group.append(i)
+            prod *= ours[i]
+            i += 1
+        if prod != size:
+            raise ValueError(f"{where}: checkpoint shape {hf} does not reshape to the expected {ours}")
+        groups.append(group)
+    while i < len(ours) and ours[i] == 1:  # trailing unit dimensions
+        groups[-1].append(i)
+        i += 1
+    if i != len(ours):
+        raise ValueError(f"{where}: checkpoint shape {hf} does not reshape to the expected {ours}")
+    return groups
+
+
+def read_slice(reader: SafetensorsSlices, name: str, fn: Transform, ours: tuple[int, ...],
+               bounds: list[tuple[int, int]]) -> np.ndarray:
+    """Our layout's x[bounds] of HF tensor `name` (transform `fn` of WEIGHT_TABLE), reading only the HF rows and
+    columns it comes from: for our dimensions that split one HF dimension (heads × head_dim), the whole range of
+    the outermost one's slice is read and the inner ones are sliced in memory."""
+    hf = reader.shape(name)
+    order = tuple(reversed(range(len(hf)))) if fn in _TRANSPOSED else tuple(range(len(hf)))
+    groups = _groups(ours, tuple(hf[d] for d in order), name)
+    hf_ranges, shape, inner_index = [None] * len(hf), [], []
+    for d, group in zip(order, groups, strict=True):
+        inner = math.prod(ours[j] for j in group[1:])
+        a, b = bounds[group[0]]
+        hf_ranges[d] = (a * inner, b * inner)
+        shape += [b - a] + [ours[j] for j in group[1:]]
+        inner_index += [slice(None)] + [slice(*bounds[j]) for j in group[1:]]
+    x = reader.read(name, hf_ranges).transpose(order)
+    return x.reshape(shape)[tuple(inner_index)]
+
+
+def _sources(names, cfg: ModelConfig) -> dict[str, tuple[Transform, list[str] | str]]:
+    """{our dotted path: (transform, HF name — or, for a stacked layer parameter, one HF name per layer)}."""
+    per_layer, out = {}, {}
+    for name in names:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # some tied checkpoints still store a copy of the embedding
+        for rx, path, fn in _COMPILED:
+            m = rx.match(name)
+            if m:
+                ours = path.format(*m.groups())
+                layer = re.fullmatch(r"layers\.(\d+)\.(.+)", ours)
+                if layer is None:
+                    out[ours] = (fn, name)
+                else:
+                    per_layer.setdefault(f"layers.{layer.group(2)}", (fn, {}))[1][int(layer.group(1))] = name
+                break
+        else:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ValueError(f"unexpected tensor {name!r}: no rule in weights.WEIGHT_TABLE matches it")
+    for path, (fn, by_layer) in per_layer.items():
+        if sorted(by_layer) != list(range(cfg.num_layers)):
+            raise ValueError(f"checkpoint has {path.replace('layers.', 'layers.N.')} for layers "
+                             f"{sorted(by_layer)[:5]}…, the config has {cfg.num_layers} layers")
+        out[path] = (fn, [by_layer[i] for i in range(cfg.num_layers)])
+    return out
+
+
+def load_sharded(directory, cfg: ModelConfig, shardings, dtype=jnp.float32, *, reader=None) -> dict:
+    """A Decoder's parameters from a Hugging Face safetensors directory, as global arrays laid out by `shardings`,
+    each process reading only the slices its addressable devices hold (a multi-host job's target).
+
+    Args:
+        directory: the model directory (local path or etils.epath URI such as gs://bucket/qwen3-8b).
+        cfg: the ModelConfig its config.json gives.
+        shardings: a pure dict shaped like `nnx.to_pure_dict` of the Decoder's state, of jax.sharding.Sharding.
+        dtype: the parameters' dtype (each slice is cast on the host as it is read).
+        reader: a `SafetensorsSlices` to read through (default: one over `directory`); its `bytes_read` then
+            tells how much of the checkpoint this process read.
+
+    Returns:
+        The pure dict of jax.Arrays (`nnx.replace_by_pure_dict` it into `nnx.eval_shape` of the Decoder).
+        Equal, leaf for leaf, to `build_decoder` on the whole checkpoint.
+    """
+    import jax
+
+    reader = SafetensorsSlices(directory) if reader is None else reader
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    wanted = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(abstract)))
+    sources = _sources(reader.tensors, cfg)
+    paths = {".".join(str(p) for p in k): k for k in wanted}
+    missing, extra = sorted(set(paths) - set(sources)), sorted(set(sources) - set(paths))
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    if extra:
+        raise ValueError(f"checkpoint has tensors this config does not use: {extra[:3]}")
+    flat_shardings = nnx.traversals.flatten_mapping(shardings)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    out = {}
+    for path, key in paths.items():
+        shape = tuple(wanted[key].shape)
+        fn, names = sources[path]
+        seen: dict = {}  # devices that hold the same slice (replicated axes) share one read
+
+        def fetch(index, shape=shape, fn=fn, names=names, seen=seen):
+            bounds = [idx.indices(n)[:2] for idx, n in zip(index, shape, strict=True)]
+            if tuple(bounds) not in seen:
+                if isinstance(names, list):  # stacked layers: our leading axis is the layer
+                    x = np.stack([read_slice(reader, names[i], fn, shape[1:], bounds[1:])
+                                  for i in range(*bounds[0])])
+                else:
+                    x = read_slice(reader, names, fn, shape, bounds)
+                seen[tuple(bounds)] = x.astype(np_dtype)
+            return seen[tuple(bounds)]
+
+        out[key] = jax.make_array_from_callback(shape, flat_shardings[key], fetch)
+    return nnx.traversals.unflatten_mapping(out)

@@ -100,6 +100,26 @@ def test_data_iterator_resumes_exactly(tiny):
             np.testing.assert_array_equal(w[k], g[k])
 
 
+def test_grain_workers_give_the_in_process_batches_and_resume(tiny):
+    """data.worker_count: batches windowed in 2 grain worker processes are the in-process ones, in order, and a
+    new worker iterator restored from a saved position continues them."""
+    _, data = tiny
+    kw = dict(seq_len=32, anchors_per_seq=4, batch_sequences=4, seed=3)
+    plain = make_iterator(data, **kw)
+    want = [next(plain) for _ in range(6)]
+    first = make_iterator(data, worker_count=2, **kw)
+    got = [{k: np.array(v) for k, v in next(first).items()} for _ in range(4)]  # copies out of shared memory
+    state = first.get_state()
+    second = make_iterator(data, worker_count=2, **kw)
+    second.set_state(state)
+    got += [{k: np.array(v) for k, v in next(second).items()} for _ in range(2)]
+    for it in (first, second):
+        it.close()
+    for w, g in zip(want, got, strict=True):
+        for k in w:
+            np.testing.assert_array_equal(w[k], g[k])
+
+
 def test_precomputed_features_give_the_on_the_fly_loss(tiny):
     """train/features.py stores the target's hidden states (bf16); the loss from them matches the loss with a
     target forward inside the step to bf16 precision, batch for batch (same windows and anchors)."""
@@ -167,7 +187,9 @@ def test_a_carried_run_continues_on_a_new_machine(tiny, tmp_path):
     cfg_a = _cfg(data, tmp_path / "a", steps=12)
     cfg_a = load_config(None, [*_overrides(cfg_a), f"run.carry_dir={carry}"])
     fit(cfg_a, target=target, stop_after=6, progress=False)
-    assert read_carry(str(carry))["step"] == 6 and (carry / "drafter" / "drafter_config.json").exists()
+    carried = read_carry(str(carry))
+    assert carried["step"] == 6 and (carried["drafter"] / "drafter_config.json").exists()
+    assert sorted(p.name for p in carry.iterdir()) == ["carry.json", "step-6"]  # the old step's files removed
     shutil.copytree(carry, tmp_path / "carry6")
     fit(cfg_a, target=target, progress=False)  # the uninterrupted reference: machine a's Orbax resume to 12
     assert read_carry(str(carry))["step"] == 12
@@ -248,8 +270,9 @@ def test_sharded_step_on_eight_devices_matches_one(tiny, tmp_path, kind):
 
 
 def test_qwen3_8b_pod_config_train_step_eval_shape():
-    """The pod config's full-size train step (Qwen3-8B target, 5-layer DSpark drafter) traces and its shardings
-    divide on the configured mesh, without allocating or having the devices."""
+    """The pod config's full-size train step (Qwen3-8B bf16 target, 5-layer DSpark drafter) traces without
+    allocating or having the devices; its drafter parameters and AdamW state are float32; its shardings divide
+    the configured mesh; and what one chip holds of the state fits a v5p chip's HBM with room to spare."""
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import AbstractMesh, PartitionSpec
@@ -258,19 +281,27 @@ def test_qwen3_8b_pod_config_train_step_eval_shape():
     from dspark_jax.drafter_config import DrafterConfig
     from dspark_jax.drafter_model import DrafterModel
     from dspark_jax.model import Decoder
-    from train.distill import _loss, make_optimizer
+    from dspark_jax.target import DTYPES
+    from train.distill import _loss, init_train_state, make_optimizer
+    from train.features import batch_bytes
     from train.losses import LossWeights
-    from train.sharding import AXES, tree_specs
+    from train.sharding import AXES, per_device_bytes, tree_specs
 
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3_8b_tpu_v5p64.yaml"))
+    assert cfg.target.dtype == "bfloat16" and not cfg.data.features and cfg.data.worker_count == 8
+    n_devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    assert n_devices == 32  # v5p-64: 64 TensorCores = 32 chips (one device each) on 8 hosts of 4
     tcfg = ModelConfig.from_hf(cfg.target.hf_config)
     dcfg = DrafterConfig.for_target(tcfg, kind=cfg.drafter.kind, block_size=cfg.drafter.block_size,
                                     **cfg.drafter.overrides)
-    tg, tp = nnx.split(nnx.eval_shape(lambda: Decoder(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    tg, tp = nnx.split(nnx.eval_shape(lambda: Decoder(tcfg, dtype=DTYPES[cfg.target.dtype], rngs=nnx.Rngs(0))))
     dg, dp = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
     dp, tp = nnx.to_pure_dict(dp), nnx.to_pure_dict(tp)
     tx = make_optimizer(cfg.optim.lr, cfg.optim.steps, cfg.optim.warmup)
-    opt = jax.eval_shape(tx.init, dp)
+    dp, opt = jax.eval_shape(lambda p: init_train_state(p, tx), dp)
+    floats = lambda t: {x.dtype for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.floating)}  # noqa: E731
+    assert floats(tp) == {jnp.dtype(jnp.bfloat16)}
+    assert floats(dp) == {jnp.dtype(jnp.float32)} and floats(opt) == {jnp.dtype(jnp.float32)}
     d = cfg.data
     per_step = d.batch_sequences // cfg.mesh.data // cfg.mesh.fsdp  # rows per data shard; a small probe batch
     S, T, A = per_step, 256, 4  # traced shapes only; the full 256×2048 batch has the same code path
@@ -283,9 +314,10 @@ def test_qwen3_8b_pod_config_train_step_eval_shape():
         updates, opt_state = tx.update(g, opt_state, dparams)
         return updates, opt_state, m
 
-    updates, _, metrics = jax.eval_shape(step, dp, opt, tp, batch)
+    updates, new_opt, metrics = jax.eval_shape(step, dp, opt, tp, batch)
     assert metrics["acceptance"].shape == (dcfg.block_size,)
     assert jax.tree.structure(updates) == jax.tree.structure(dp)
+    assert floats(updates) == {jnp.dtype(jnp.float32)} and floats(new_opt) == {jnp.dtype(jnp.float32)}
     n_target = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tp))
     assert 8.0e9 < n_target < 8.4e9
     mesh = AbstractMesh((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), AXES)
@@ -298,6 +330,14 @@ def test_qwen3_8b_pod_config_train_step_eval_shape():
     # The big matrices really are split: the drafter's MLP over fsdp, the target's embedding over fsdp.
     assert "fsdp" in tuple(tree_specs(dp, shape)["layers"][0]["mlp"]["up"])
     assert "fsdp" in tuple(tree_specs(tp, shape)["embed"])
+    # Per chip: the bf16 target, the f32 drafter and its two f32 AdamW moments, each FSDP-sharded 4 ways.
+    held = {name: per_device_bytes(tree, shape) for name, tree in [("target", tp), ("drafter", dp), ("adamw", opt)]}
+    print({k: f"{v / 2**30:.2f} GiB" for k, v in held.items()}, f"total {sum(held.values()) / 2**30:.2f} GiB")
+    assert held["adamw"] >= 2 * held["drafter"] - 1024  # mu and nu, both f32
+    hbm = 95e9  # a v5p chip
+    assert sum(held.values()) < 0.25 * hbm  # three quarters left for activations (8 rows × 2048 tokens a chip)
+    # What precomputed features would cost on the host (the config's comment): 32 KB a token, 17 GB a batch.
+    assert round(batch_bytes(d, dcfg, tcfg) / 1e9) == 17
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
@@ -332,3 +372,40 @@ def test_teacher_forced_training_logits_equal_the_inference_draft(tiny, kind):
     _, q, _ = draft_block(d.graphdef, d.params, head, cache, prev[:, 0], jax.random.split(jax.random.key(0), S * A),
                           ones, jnp.zeros((S * A,), jnp.int32), ones, "reference")
     np.testing.assert_allclose(np.asarray(jax.nn.softmax(train_logits[:, 0])), np.asarray(q[:, 0]), atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", True), ("qwen3", False)])
+def test_target_training_forward_is_the_plain_forward_without_the_verification_kernel(tmp_path, model_type, tied,
+                                                                                      monkeypatch):
+    """train/distill.py's target_features: the frozen target's prefill inside the train step gives the plain (cached)
+    forward's final hidden states and layer features, and — even where "auto" would pick the Pallas verification
+    kernel for Decoder.__call__ (a TPU backend, faked here for tracing only) — its jaxpr holds no pallas_call."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dspark_jax import kernels
+    from dspark_jax.target import apply
+    from train.distill import _loss, target_features
+    from train.losses import LossWeights
+
+    target = target_from_hf(make_hf_model(model_type, tied=tied), tmp_path)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 128, size=(3, 40)), jnp.int32)
+    layers = (0, 2, 1)
+    h_plain, _, f_plain = target.forward(tokens, target.init_cache(3, 40), hidden_layers=layers,
+                                         compute_logits=False, kernels="reference")
+    forward = jax.jit(lambda p, t: target_features(nnx.merge(target.graphdef, p), t, layers))
+    h, f = forward(target.params, tokens)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_plain), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(f), np.asarray(f_plain), rtol=1e-5, atol=1e-5)
+
+    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=4, num_layers=1, markov_rank=8)
+    batch = {"tokens": tokens, "lengths": jnp.array([40, 30, 12], jnp.int32),
+             "anchors": jnp.array([[5, 9], [3, 20], [2, 8]], jnp.int32)}
+    loss = lambda dp, tp: _loss(dp, tp, batch, dgraph=drafter.graphdef, tgraph=target.graphdef,  # noqa: E731
+                                tied=tied, weights=LossWeights())
+    monkeypatch.setattr(kernels.jax, "default_backend", lambda: "tpu")
+    assert kernels.use_pallas("auto", kernel="attention")
+    plain = jax.make_jaxpr(lambda p: apply(target.graphdef, p, tokens, target.init_cache(3, 40)))(target.params)
+    assert "pallas_call" in str(plain)  # the check is live: the plain forward would take the kernel here
+    train = jax.make_jaxpr(jax.grad(lambda dp, tp: loss(dp, tp)[0]))(drafter.params, target.params)
+    assert "pallas_call" not in str(train)

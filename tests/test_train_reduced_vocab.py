@@ -177,7 +177,7 @@ def test_fit_with_a_reduced_vocabulary_and_separate_features_resumes(tiny, tmp_p
 
     def cfg(out):
         return load_config(None, [
-            f"data.path={data}", f"data.features_path={tmp_path / 'feats'}", "data.seq_len=32",
+            f"data.path={data}", "data.features=true", f"data.features_path={tmp_path / 'feats'}", "data.seq_len=32",
             "data.anchors_per_seq=6", "data.batch_sequences=2", "drafter.kind=dspark", "drafter.block_size=3",
             "drafter.overrides={num_layers: 1, markov_rank: 4, target_layers: [0, 1, 2]}",
             "drafter.draft_vocab_size=40", f"drafter.draft_vocab_file={shared}", f"run.out_dir={out}",

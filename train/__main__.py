@@ -41,10 +41,12 @@ def _features(args) -> None:
 
 
 def _fit(args) -> None:
-    from train.config import load_config
+    from train.config import load_config, parse_root, resolve, resolve_config_paths
     from train.fit import fit
 
-    cfg = load_config(args.config, args.set or [])
+    roots = dict(parse_root(r) for r in args.path_root or [])
+    cfg = load_config(None if args.config is None else resolve(args.config, roots), args.set or [])
+    cfg = resolve_config_paths(cfg, roots)
     dist = (args.coordinator, args.num_processes, args.process_id)
     if any(x is not None for x in dist):
         if any(x is None for x in dist):
@@ -118,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="distil a drafter (resumes from the run directory)")
     f.add_argument("--config", default=None, help="YAML config (configs/*.yaml); defaults otherwise")
     f.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. optim.steps=10")
+    f.add_argument("--path-root", action="append", metavar="PREFIX=ROOT",
+                   help="read and write paths starting with PREFIX under ROOT instead, e.g. "
+                        "gs://bucket=file:///mnt/bucket (the config file's own path too; repeatable; "
+                        "added to run.path_roots)")
     f.add_argument("--export", default=None, help="also save the final drafter (bf16) to this directory")
     f.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="stop after this step without a final checkpoint, as a preempted run would (tests)")

@@ -5,20 +5,32 @@
             or auto (bfloat16 on GPU/TPU, float32 on CPU). It sets the target's compute only: the drafter's
             master weights and AdamW state are float32 whatever it is (train/distill.py).
   drafter — DrafterConfig overrides (kind, block_size, num_layers, markov_rank, …) on top of the target's defaults.
-  data    — prepared ArrayRecord shards (and where their target features are), window length T, anchors per
-            sequence A (packed over one shared context), sequences per batch.
+  data    — prepared ArrayRecord shards (and, when precomputed, their target features), window length T, anchors
+            per sequence A (packed over one shared context), sequences per batch, grain workers per host.
   optim   — AdamW with linear warmup then cosine decay, global-norm clipping.
   mesh    — (data, fsdp, tensor) device mesh; 1×1×1 on one CPU; `distributed` calls jax.distributed.initialize().
-  run     — output directory, checkpoint cadence and retention, logging cadence, seed.
+  run     — output directory, checkpoint cadence and retention, logging cadence, seed, carry, path roots.
+
+Paths. Every path a run touches — the config file, data and feature shards, the target, `out_dir`,
+`carry_dir`, the draft-vocabulary file — goes through `resolve(path, roots)` and comes back as an `epath.Path`,
+so one config runs from a laptop, a CPU test or a pod whose data and checkpoints sit in a bucket. Orbax and
+grain take the same URIs (ArrayRecord reads gs:// itself); other gs:// access needs `gcsfs` installed (etils.epath's
+backend). `roots` (`run.path_roots`, and fit's `--path-root PREFIX=ROOT`) maps URI prefixes to where they live
+instead, e.g. {"gs://bucket": "file:///mnt/bucket"}: the longest matching prefix is replaced before anything is
+opened, so a config written for the pod runs unchanged against a local copy of its bucket (the multi-process test
+does exactly that) or on hosts that mount it (gcsfuse). `file://` URIs are local paths; relative local paths are
+made absolute (Orbax requires it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 
 import yaml
+from etils import epath
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,7 +67,10 @@ class DataSection:
     anchors_per_seq: int = 8  # A
     batch_sequences: int = 8  # S sequences per global batch (S·A (sequence, anchor) rows)
     worker_count: int = 0  # grain worker processes (0 = in-process)
-    features: bool = True  # read precomputed target features (train/features.py) instead of a target forward
+    # Read precomputed target features (train/features.py) instead of running the target inside the step. They
+    # pay for a small target trained over many epochs (SmolLM2: ~4.6 KB a token); for an 8B target they are
+    # ~48 KB a token (`python -m train features` prints the total first), so the default runs the target.
+    features: bool = False
     features_path: str | None = None  # the directory holding features-<layers>/ (default: path)
 
 
@@ -91,6 +106,9 @@ class RunSection:
     # steps the parameters (bf16 safetensors), the step, the data position and metrics.jsonl are written here;
     # a run with no newer Orbax checkpoint continues from it with fresh AdamW moments (train/fit.py).
     carry_dir: str | None = None
+    # Where URI prefixes live instead, e.g. {"gs://bucket": "file:///mnt/bucket"} (see `resolve` below); `fit
+    # --path-root PREFIX=ROOT` adds to it. Every path above and in `data`, `target`, `drafter` goes through it.
+    path_roots: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,13 +167,13 @@ def _set_dotted(d: dict, key: str, value) -> None:
     d[parts[-1]] = value
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """TrainConfig from an optional YAML file plus `key.sub=value` overrides (values parsed as YAML)."""
+def load_config(path=None, overrides: list[str] = ()) -> TrainConfig:
+    """TrainConfig from an optional YAML file (a local path or an etils.epath URI such as gs://…) plus
+    `key.sub=value` overrides (values parsed as YAML)."""
     raw: dict = {}
     if path is not None:
         try:
-            with open(path) as f:
-                raw = yaml.safe_load(f) or {}
+            raw = yaml.safe_load(epath.Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ValueError(f"config file not found: {path}") from None
         except yaml.YAMLError as e:
@@ -166,3 +184,43 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConf
             raise ValueError(f"--set expects key.sub=value, got {item!r}")
         _set_dotted(raw, key.strip(), yaml.safe_load(value))
     return _build(TrainConfig, raw, "")
+
+
+# ---- paths ------------------------------------------------------------------------------------------------------
+FILE = "file://"
+
+
+def parse_root(item: str) -> tuple[str, str]:
+    """"PREFIX=ROOT" (e.g. "gs://bucket=file:///tmp/bucket") → (prefix, root), both without a trailing "/"."""
+    prefix, eq, root = item.partition("=")
+    if not eq or not prefix or not root:
+        raise ValueError(f"--path-root expects PREFIX=ROOT (e.g. gs://bucket=file:///mnt/bucket), got {item!r}")
+    return prefix.rstrip("/"), root.rstrip("/")
+
+
+def resolve(path, roots: dict | None = None) -> epath.Path:
+    """`path` (str or Path) with the longest matching prefix of `roots` replaced → an epath.Path.
+
+    A prefix matches whole path components only: "gs://b" maps "gs://b/x" but not "gs://bb/x"."""
+    s = os.fspath(path)
+    best = max((p for p in (roots or {}) if s == p or s.startswith(p.rstrip("/") + "/")), key=len, default=None)
+    if best is not None:
+        s = roots[best].rstrip("/") + s[len(best.rstrip("/")) :]
+    if s.startswith(FILE):
+        s = s[len(FILE) :]
+        if not s.startswith("/"):
+            raise ValueError(f"file:// URIs must be absolute (file:///dir), got {path!r} → {FILE}{s}")
+    if "://" not in s:
+        s = os.path.abspath(os.path.expanduser(s))
+    return epath.Path(s)
+
+
+def is_local(path) -> bool:
+    """Whether `path` is on this machine's file system (not a gs:// or other remote URI)."""
+    return "://" not in os.fspath(path)
+
+
+def resolve_config_paths(cfg: TrainConfig, roots: dict | None = None) -> TrainConfig:
+    """`cfg` with `roots` merged into run.path_roots (the config's own entries lose to `roots`)."""
+    merged = {**cfg.run.path_roots, **(roots or {})}
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, path_roots=merged))

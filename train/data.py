@@ -10,24 +10,31 @@ Per sequence (a random-access record, see train/prepare.py), one seeded random t
              the window inside the train step, shared by all A anchors of the sequence.
 Then `batch` stacks S sequences: {"tokens" int32 [S, T], "lengths" int32 [S], "anchors" int32 [S, A],
 "anchor_mask" bool [S, A]}.
-Multi-host: each process reads `dataset[process_index::process_count]`. The iterator's state (epoch, position)
-is a small dict saved with the checkpoint (grain.checkpoint.CheckpointSave), so a resumed run sees the same
-batches in the same order.
+Precomputed target features (train/features.py) stay bfloat16 on the host, as stored; the step widens them on
+the device (an 8B target's features are ~48 KB a token in bf16: float32 on the host would double that).
+Multi-host: each process reads `dataset[process_index::process_count]` (grain's per-process split of a
+MapDataset) and batches `batch_sequences / process_count` of them. `worker_count` > 0 decodes and windows in
+that many grain worker processes (`mp_prefetch`) per host. The iterator's state (epoch, position) is a small
+dict saved with the checkpoint (grain.checkpoint.CheckpointSave) and in the carry, one per process, so a
+resumed run sees the same batches in the same order. Paths are local directories or etils.epath URIs
+(ArrayRecord reads gs:// itself).
 """
 
 from __future__ import annotations
 
-import glob
+import functools
 import os
 
 import grain
 import numpy as np
+from etils import epath
 
 from train.prepare import RECORD_GLOB, decode_record
 
 
-def shard_files(path: str) -> list[str]:
-    files = sorted(glob.glob(os.path.join(path, RECORD_GLOB)))
+def shard_files(path) -> list[str]:
+    """The prepared ArrayRecord shards under `path` (a local directory or an epath URI), sorted."""
+    files = sorted(os.fspath(p) for p in epath.Path(path).glob(RECORD_GLOB))
     if not files:
         raise ValueError(f"no prepared data in {path!r} (expected {RECORD_GLOB}); run `python -m train prepare` "
                          "(and `python -m train features` for precomputed target features)")
@@ -37,7 +44,7 @@ def shard_files(path: str) -> list[str]:
 def window_and_anchors(rec: dict, rng: np.random.Generator, seq_len: int, num_anchors: int) -> dict:
     """One training example from a decoded record (see module docstring). Records with precomputed target
     features (train/features.py) also give "feats" [T, m·D], "hidden" [T, D] and, when stored, the target's
-    log-normaliser "lse" [T] (f32, zero-padded)."""
+    log-normaliser "lse" [T] (zero-padded; feats and hidden in their stored bfloat16, lse float32)."""
     tokens, p = rec["tokens"], rec["prompt_len"]
     n_tok = len(tokens)
     # A window [start, start + T) that ends after the first response token and starts before the last one.
@@ -59,15 +66,15 @@ def window_and_anchors(rec: dict, rng: np.random.Generator, seq_len: int, num_an
     ex = {"tokens": out, "lengths": np.int32(length), "anchors": anchors.astype(np.int32), "anchor_mask": anchor_mask}
     for name in ("feats", "hidden", "lse"):
         if name in rec:
-            x = np.zeros((seq_len,) + rec[name].shape[1:], np.float32)
+            x = np.zeros((seq_len,) + rec[name].shape[1:], rec[name].dtype)  # bf16 stays bf16
             x[:length] = rec[name][start : start + length]
             ex[name] = x
     return ex
 
 
-def make_dataset(path: str, *, seq_len: int, anchors_per_seq: int, batch_sequences: int, seed: int,
+def make_dataset(path, *, seq_len: int, anchors_per_seq: int, batch_sequences: int, seed: int,
                  process_index: int = 0, process_count: int = 1, feature_layers: tuple[int, ...] | None = None,
-                 features_path: str | None = None) -> grain.MapDataset:
+                 features_path=None) -> grain.MapDataset:
     """An infinite, shuffled, batched MapDataset over the prepared shards (this process's slice).
     With `feature_layers`, reads the precomputed features of those target layers (under `features_path`,
     default `path`) instead of bare tokens."""
@@ -85,10 +92,23 @@ def make_dataset(path: str, *, seq_len: int, anchors_per_seq: int, batch_sequenc
     ds = grain.MapDataset.source(source)[process_index::process_count]
     ds = ds.map(decode)  # prepare keeps only examples with >= 2 response tokens
     ds = ds.shuffle(seed=seed).repeat(None)
-    ds = ds.random_map(lambda r, rng: window_and_anchors(r, rng, seq_len, anchors_per_seq), seed=seed + 1)
+    # A partial of a module-level function, not a lambda: grain's worker processes receive it pickled.
+    ds = ds.random_map(functools.partial(_window, seq_len=seq_len, num_anchors=anchors_per_seq), seed=seed + 1)
     return ds.batch(batch_sequences // process_count, drop_remainder=True)
 
 
-def make_iterator(path: str, **kw) -> grain.DatasetIterator:
-    """A checkpointable iterator (get_state / set_state) over `make_dataset`."""
-    return iter(make_dataset(path, **kw).to_iter_dataset())
+def _window(rec: dict, rng: np.random.Generator, *, seq_len: int, num_anchors: int) -> dict:
+    return window_and_anchors(rec, rng, seq_len, num_anchors)
+
+
+def make_iterator(path, *, worker_count: int = 0, **kw) -> grain.DatasetIterator:
+    """A checkpointable iterator (get_state / set_state) over `make_dataset`; `worker_count` > 0 prepares batches
+    in that many grain worker processes (the same batches, in the same order, as in-process)."""
+    ds = make_dataset(path, **kw).to_iter_dataset()
+    if worker_count > 0:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside an absl app none were parsed
+            flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+    return iter(ds)

@@ -6,6 +6,17 @@ are an argument of the jitted step, never optimised (the drafter's borrowed embe
 with them).
 Batch (`make_batch`): tokens int32 [B, T] (right-padded), lengths [B], anchors [B] drawn uniformly from
 [max(1, prompt length), length − 2] with an explicit PRNG key, so every anchor has ≥ 1 ground-truth token.
+
+The frozen target's training forward (`target_features`): one causal pass over the training windows gives the
+final-normed hidden state h [B, T, D] (p_t = softmax(head(h)), eq. 10–11) and the concatenated outputs of the
+drafter's `target_layers`, feats float32 [B, T, m·D] (KV injection, eq. 2). It is a prefill, not a verification
+pass, so it does not go through `Decoder.__call__`'s cached path (a KV buffer of capacity T written and read per
+layer, and on GPU/TPU the Pallas *verification* kernel, built for a few query tokens against a long cache and not
+partitioned for a training mesh): the same stacked layers run under `lax.scan` with plain causal attention,
+`jax.nn.dot_product_attention` (`is_causal`, grouped K/V heads) — XLA's attention on TPU and CPU, cuDNN's flash
+attention where the GPU build has it, partitioned by XLA like any other op. Right padding needs no mask: a causal
+query never reads a later (pad) position. tests/test_train_pipeline.py checks it equals the plain forward and
+that the step's jaxpr holds no `pallas_call`.
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from flax import nnx
 from dspark_jax.decoding import round_up
 from dspark_jax.drafter import Drafter
 from dspark_jax.drafter_model import TargetHead
+from dspark_jax.layers import apply_rope, rope_inv_freq
+from dspark_jax.model import Decoder, concat_saved, hidden_slots, scan_layers
 from train.losses import LossWeights, drafter_loss
 
 
@@ -82,17 +95,41 @@ def make_batch(key, tokens, lengths, min_anchor, batch_size: int) -> dict:
             "anchors": sample_anchors(k_anchor, lengths, min_anchor)}
 
 
+def target_features(model: Decoder, tokens: jax.Array, hidden_layers: tuple[int, ...]):
+    """(final-normed hidden [B, T, D] in the target's dtype, feats float32 [B, T, len(hidden_layers)·D]).
+
+    Equal to `model(tokens, model.init_cache(B, T), hidden_layers=..., compute_logits=False)[::2]` up to the
+    order of float additions."""
+    B, T = tokens.shape
+    cfg = model.cfg
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    x = model.embed_tokens(tokens)
+    slots = hidden_slots(cfg.num_layers, tuple(hidden_layers))
+    saved = jnp.zeros((len(hidden_layers), *x.shape), x.dtype)
+
+    def body(layer, carry, _):
+        x, saved, i = carry
+        q, k, v = layer.attn.qkv(layer.attn_norm(x))  # [B, T, N, H], [B, T, K, H]
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        x = x + layer.attn.out(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+        x = x + layer.mlp(layer.mlp_norm(x))
+        saved = saved.at[slots[i]].set(x, mode="drop")  # a layer not asked for writes past the end: dropped
+        return (x, saved, i + 1), None
+
+    (x, saved, _), _ = scan_layers(model.layers, body, (x, saved, 0))
+    return model.final_norm(x), concat_saved(saved)
+
+
 def _loss(dparams, tparams, batch, *, dgraph, tgraph, tied, weights):
     """Frozen target forward over the sequences (final hidden + the drafter's feature layers), then the loss."""
     target = nnx.merge(tgraph, tparams)
     model = nnx.merge(dgraph, dparams)
     tokens = batch["tokens"]
-    B, T = tokens.shape
-    if "feats" in batch:  # precomputed (train/features.py)
+    if "feats" in batch:  # precomputed (train/features.py), bf16 on the host: widened here, on the device
         hidden, feats = batch["hidden"].astype(jnp.float32), batch["feats"].astype(jnp.float32)
-    else:
-        hidden, _, feats = target(tokens, target.init_cache(B, T), hidden_layers=model.cfg.target_layers,
-                                  compute_logits=False)
+    else:  # the target's prefill inside the step (`target_features`: no KV cache, no verification kernel)
+        hidden, feats = target_features(target, tokens, model.cfg.target_layers)
     hidden, feats = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(feats)
     head = TargetHead.from_params(tparams, tied)
     return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], hidden, feats, weights,

@@ -33,6 +33,16 @@ def features_dir(root: str, layers) -> str:
     return os.path.join(root, "features-" + "-".join(str(i) for i in layers))
 
 
+def bytes_per_token(num_layers: int, hidden_size: int, lse: bool = True) -> int:
+    """Stored bytes per token: feats bf16 [m·D] + hidden bf16 [D] (+ lse f32). Qwen3-8B, 5 layers: 49,156."""
+    return 2 * (num_layers + 1) * hidden_size + (4 if lse else 0)
+
+
+def batch_bytes(data, dcfg, tcfg) -> int:
+    """Host bytes of one global batch's features (`data`: a DataSection; the drafter's and target's configs)."""
+    return data.batch_sequences * data.seq_len * bytes_per_token(len(dcfg.target_layers), tcfg.hidden_size)
+
+
 def encode(rec: dict, feats: np.ndarray, hidden: np.ndarray, lse: np.ndarray | None = None) -> bytes:
     import ml_dtypes
 
@@ -83,6 +93,7 @@ def featurize(data_dir: str, target, layers: tuple[int, ...], *, out_root: str |
     from tqdm.auto import tqdm
 
     from dspark_jax.decoding import round_up
+    from train.distill import target_features
 
     files = sorted(glob.glob(os.path.join(data_dir, RECORD_GLOB)))
     if not files:
@@ -93,8 +104,7 @@ def featurize(data_dir: str, target, layers: tuple[int, ...], *, out_root: str |
     @jax.jit
     def fwd(params, tokens):
         model = nnx.merge(target.graphdef, params)
-        h, _, feats = model(tokens, model.init_cache(*tokens.shape), hidden_layers=tuple(layers),
-                            compute_logits=False, kernels="reference")
+        h, feats = target_features(model, tokens, tuple(layers))  # the train step's own target forward
         h = h.astype(jnp.bfloat16).astype(jnp.float32)  # what is stored: lse must normalise exactly this h
         lse = jax.lax.map(lambda row: jax.nn.logsumexp(model.head(row), axis=-1), h)  # one [T, V] at a time
         return h, feats, lse
@@ -105,8 +115,20 @@ def featurize(data_dir: str, target, layers: tuple[int, ...], *, out_root: str |
         reader.close()
         return n
 
+    def _records(path):
+        reader = ArrayRecordReader(path)
+        raw = reader.read_all()
+        reader.close()
+        return raw
+
     todo = [p for p in files if not os.path.exists(os.path.join(out_dir, os.path.basename(p)))]
     done_seqs = sum(count(os.path.join(out_dir, os.path.basename(p))) for p in files if p not in todo)
+    # Said before anything is written: for a large target they are tens of KB a token, and they only pay back
+    # when the same tokens are read over several epochs (else `data.features: false` runs the target per step).
+    per_token = bytes_per_token(len(layers), target.config.hidden_size)
+    tokens = sum(len(decode_record(r)["tokens"]) for p in todo for r in _records(p))
+    print(f"target features of layers {list(layers)}: {per_token:,} bytes a token × {tokens:,} tokens = "
+          f"{per_token * tokens / 2**30:.2f} GiB to write under {out_dir}", flush=True)
     bar = tqdm(total=sum(count(p) for p in todo), desc=f"target features ({len(files) - len(todo)}/{len(files)} "
                "shards done)", unit="seq", disable=not progress, mininterval=10)
     for path in todo:

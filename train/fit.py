@@ -1,56 +1,128 @@
-"""A checkpointed, resumable distillation run (`python -m train fit`).
+"""A checkpointed, resumable distillation run (`python -m train fit`), on one device or a multi-host pod.
 
-State per step: drafter parameters and AdamW state (pure dicts on the mesh) plus the grain iterator position.
-An orbax CheckpointManager saves all three every `ckpt_every` steps (async, keep-N); a restarted run restores
-the latest and continues with the same batches in the same order, so the loss curve is the uninterrupted one.
-Metrics go to stdout (tqdm) and `metrics.jsonl` (one line per logged step; a resumed run rewrites the lines
-after its restored step). At the end the drafter is saved to `out_dir/drafter` (and, with --export, as bf16).
-With `run.carry_dir` set, each checkpoint also writes a compact carry there (the parameters as a bf16 drafter,
-the step, the data position, metrics.jsonl; a few MB, meant to be committed): a run that finds no Orbax
-checkpoint at least as new continues from the carry with fresh AdamW moments and the learning-rate schedule at
-the carried step (re-warmed over `optim.warmup` steps), so a run of many hours survives losing its machine.
-Multi-process runs (train/launch.py): every process runs this same function on its rows of each global batch;
-checkpoints and the final drafter are written jointly by all processes, metrics and logs by process 0 only.
+State per step: drafter parameters and AdamW state (float32 pure dicts, global arrays on the mesh) plus the grain
+iterator position. An Orbax CheckpointManager saves all three every `ckpt_every` steps (async, keep-N); a
+restarted run restores the latest and continues with the same batches in the same order, so the loss curve is
+the uninterrupted one. Metrics go to stdout (tqdm) and `metrics.jsonl` (one line per logged step; a resumed run
+rewrites the lines after its restored step). At the end the drafter is saved to `out_dir/drafter` (and, with
+--export, as bf16). Every path may be a gs:// URI or map to one (`run.path_roots`, train/config.py).
+
+Carries: runs longer than one machine's life (`run.carry_dir`). At every checkpoint process 0 also writes
+  step-<N>/drafter/      the parameters as a bf16 drafter (drafter_config.json + model.safetensors),
+  step-<N>/metrics.jsonl
+  carry.json             {"step": N, "dir": "step-<N>", "processes": P, "data": [iterator state of each process]}
+carry.json is written last and is the commit point (a write killed half-way leaves the previous carry whole; an
+object store needs no directory rename); older step-* directories are then removed (the first carries, with
+drafter/ at the top and one data state, are still read). A run that finds no Orbax checkpoint at least as new
+continues from the carry: fresh AdamW moments, the learning-rate schedule at the carried step re-warmed over
+`optim.warmup` steps, every process reading the parameters on its own host and taking its own data position.
+
+Multi-process runs (train/launch.py): every process runs this same function; nothing is loaded whole on one
+device or compared array by array across hosts (train/sharding.py):
+  * the target is read per host, only the slices its devices hold (dspark_jax.weights.load_sharded), when it
+    is a Hugging Face directory; a GGUF or named target is read whole on each host and placed shard by shard;
+  * the drafter is initialised by one jitted program straight into its shardings, the optimizer state too;
+  * a carry is read on every host and placed the same way;
+  * before any array is loaded the processes compare hashes of their config, data listing, carry, checkpoint
+    step and target files (`agree`), and stop with the names of what differs.
+Checkpoints are written jointly by all processes; metrics, carries and the final drafter by process 0 only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import shutil
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
-from train.config import TrainConfig
+from train.config import TrainConfig, resolve
 from train.data import make_iterator
 from train.distill import init_train_state, make_optimizer, make_train_step
 from train.losses import LossWeights
-from train.sharding import make_train_mesh, put_batch, train_shardings
+from train.sharding import (
+    agree,
+    gather_json,
+    gather_params,
+    load_target_per_host,
+    make_train_mesh,
+    place,
+    put_batch,
+    target_source,
+    train_shardings,
+    tree_shardings,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """The config's paths, resolved through `run.path_roots` (train/config.py)."""
+
+    out: epath.Path
+    data: epath.Path
+    features: epath.Path | None
+    carry: epath.Path | None
+    vocab_file: epath.Path | None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RunPaths:
+        r = lambda p: None if p is None else resolve(p, cfg.run.path_roots)  # noqa: E731
+        return cls(out=r(cfg.run.out_dir), data=r(cfg.data.path), features=r(cfg.data.features_path),
+                   carry=r(cfg.run.carry_dir), vocab_file=r(cfg.drafter.draft_vocab_file))
+
+
+def init_params(dcfg, seed: int, shardings=None) -> dict:
+    """A fresh float32 drafter as a pure dict, made by one jitted program straight into `shardings` (each device
+    computes its own shard; None: the default device). Equal to `init_drafter(..., seed=seed)`'s parameters."""
+    from dspark_jax.drafter_model import DrafterModel
+
+    def init():
+        return nnx.to_pure_dict(nnx.split(DrafterModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(seed)))[1])
+
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def drafter_config(cfg: TrainConfig, target, paths: RunPaths):
+    """The run's DrafterConfig; a reduced draft vocabulary is chosen by process 0 and broadcast."""
+    from dspark_jax.drafter_config import DrafterConfig
+
+    overrides = dict(cfg.drafter.overrides)
+    if cfg.drafter.draft_vocab_size:  # fixed at the run's first start
+        from train.vocab import run_vocabulary
+
+        ids = np.zeros(cfg.drafter.draft_vocab_size, np.int32)
+        if jax.process_index() == 0:
+            ids[:] = run_vocabulary(paths.out, paths.data, cfg.drafter.draft_vocab_size, target.config.vocab_size,
+                                    always=target.eos_token_ids, shared_file=paths.vocab_file)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            ids = np.asarray(multihost_utils.broadcast_one_to_all(ids))
+        overrides["draft_vocab"] = tuple(int(i) for i in ids)
+    return DrafterConfig.for_target(target.config, kind=cfg.drafter.kind, block_size=cfg.drafter.block_size,
+                                    **overrides)
 
 
 def build(cfg: TrainConfig, target=None):
-    """(target, initial drafter) for a config; the target is loaded unless given, in `target.dtype` ("auto":
-    bfloat16 on GPU/TPU, float32 on CPU). The drafter is float32 whatever the target's dtype (master weights)."""
-    from dspark_jax.drafter import init_drafter
+    """(target, initial drafter) for a config, on one process: the target is loaded unless given, in
+    `target.dtype` ("auto": bfloat16 on GPU/TPU, float32 on CPU); the drafter is float32 (master weights)."""
+    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafter_model import DrafterModel
     from dspark_jax.target import load_target, resolve_dtype
 
-    target = load_target(cfg.target.spec, resolve_dtype(cfg.target.dtype)) if target is None else target
-    overrides = dict(cfg.drafter.overrides)
-    if cfg.drafter.draft_vocab_size:  # a reduced draft vocabulary, fixed at the run's first start
-        from train.vocab import run_vocabulary
-
-        overrides["draft_vocab"] = run_vocabulary(os.path.abspath(cfg.run.out_dir), cfg.data.path,
-                                                  cfg.drafter.draft_vocab_size, target.config.vocab_size,
-                                                  always=target.eos_token_ids,
-                                                  shared_file=cfg.drafter.draft_vocab_file)
-    drafter = init_drafter(target, kind=cfg.drafter.kind, seed=cfg.drafter.init_seed,
-                           block_size=cfg.drafter.block_size, dtype=jnp.float32, **overrides)
-    return target, drafter
+    if target is None:
+        kind, directory = target_source(cfg)  # a path through run.path_roots, or a name / GGUF file
+        target = load_target(os.fspath(directory) if kind == "hf" else cfg.target.spec,
+                             resolve_dtype(cfg.target.dtype))
+    dcfg = drafter_config(cfg, target, RunPaths.of(cfg))
+    drafter = Drafter(dcfg, nnx.eval_shape(lambda: DrafterModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+    return target, drafter.with_params(_to_state(drafter, init_params(dcfg, cfg.drafter.init_seed)))
 
 
 def _host(metrics) -> dict:
@@ -61,166 +133,255 @@ def _host(metrics) -> dict:
     return out
 
 
-def _rewrite_log(path: str, upto_step: int) -> None:
-    """Keeps only log lines of steps ≤ upto_step, the restored checkpoint (a resumed run re-logs the rest)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= upto_step]
-    with open(path, "w") as f:
-        f.writelines(keep)
+class MetricsLog:
+    """metrics.jsonl of process 0: the kept lines (steps ≤ the resumed step) plus this run's, the whole file
+    rewritten at each record (an object store has no append; the file is a few hundred KB at most)."""
+
+    def __init__(self, path: epath.Path | None, keep_from: epath.Path | None, upto_step: int):
+        self.path, self.lines = path, []
+        if path is not None and keep_from is not None and keep_from.exists():
+            self.lines = [ln for ln in keep_from.read_text().splitlines()
+                          if ln.strip() and json.loads(ln)["step"] <= upto_step]
+            self._write()
+
+    def record(self, rec: dict) -> None:
+        self.lines.append(json.dumps(rec))
+        self._write()
+
+    def text(self) -> str:
+        return "".join(ln + "\n" for ln in self.lines)
+
+    def _write(self) -> None:
+        if self.path is not None:
+            tmp = self.path.parent / f".{self.path.name}.tmp"
+            tmp.write_text(self.text())
+            tmp.replace(self.path)
 
 
 def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after: int | None = None,
         progress: bool = True):
     """Runs (or resumes) a training run. `stop_after` ends the process's work early (tests: a killed run).
 
-    Returns the trained `Drafter`.
+    Returns the trained `Drafter` (host parameters).
     """
     import grain
     import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
 
+    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafter_model import DrafterModel
+    from dspark_jax.target import load_target, resolve_dtype
+
     if cfg.mesh.distributed and not jax.distributed.is_initialized():
         jax.distributed.initialize()  # Cloud TPU / SLURM: coordinator and process ids detected
-    lead = jax.process_index() == 0  # writes the logs; every process writes its part of each checkpoint
-    target, drafter = build(cfg, target)
-    out_dir = os.path.abspath(cfg.run.out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    if lead:
-        with open(os.path.join(out_dir, "train_config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-
+    lead = jax.process_index() == 0  # writes logs and carries; every process writes its part of each checkpoint
+    paths = RunPaths.of(cfg)
     mesh = make_train_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    o = cfg.optim
+    dtype = resolve_dtype(cfg.target.dtype)
+    kind, directory = ("given", None) if target is not None else target_source(cfg)
+    facts = {"config": {**cfg.to_dict(), "run": {k: v for k, v in cfg.to_dict()["run"].items()
+                                                 if k != "path_roots"}},  # mount points may differ per host
+             "data": _listing(paths.data), "target": {"spec": cfg.target.spec, "dtype": dtype}}
+    if kind == "hf":
+        load, target_facts = load_target_per_host(directory, dtype, mesh)
+        facts.update(target_facts)
+    paths.out.mkdir(parents=True, exist_ok=True)
     mngr = ocp.CheckpointManager(
-        os.path.join(out_dir, "checkpoints"),
+        paths.out / "checkpoints",
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep, save_interval_steps=cfg.run.ckpt_every,
                                              enable_async_checkpointing=cfg.run.async_checkpoint))
-    carry = read_carry(cfg.run.carry_dir)
-    if carry is not None and (mngr.latest_step() or 0) >= carry["step"]:
-        carry = None  # this machine's own checkpoint is at least as new
-    offset_path = os.path.join(out_dir, "step_offset.json")  # where this directory's optimizer count starts
+    latest = mngr.latest_step()
+    carry = read_carry(paths.carry)
+    if carry is not None and (latest or 0) >= carry["step"]:
+        carry = None  # this run's own checkpoint is at least as new
+    facts["resume"] = {"checkpoint": latest, "carry": None if carry is None else
+                       {"step": carry["step"], "data": carry["data"], "params": _listing(carry["drafter"])}}
+    agree(facts)  # before any array is loaded: a disagreement costs seconds, not a target load
+
+    if kind == "hf":
+        target = load()
+    elif kind == "load":
+        target = load_target(cfg.target.spec, dtype)
+    tparams = nnx.to_pure_dict(target.params)
+    if kind != "hf":  # load_sharded made global arrays already
+        tparams = place(tparams, tree_shardings(mesh, tparams))
+    dcfg = drafter_config(cfg, target, paths)
+    drafter = Drafter(dcfg, nnx.eval_shape(lambda: DrafterModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+    abstract = nnx.to_pure_dict(drafter.params)
+    if lead:
+        (paths.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    o = cfg.optim
+    offset_path = paths.out / "step_offset.json"  # where this directory's optimizer count starts
     if carry is not None:
         step_offset = carry["step"]
         if lead:
-            with open(offset_path, "w") as f:
-                json.dump({"step_offset": step_offset}, f)
-    elif mngr.latest_step() is not None and os.path.exists(offset_path):
-        with open(offset_path) as f:
-            step_offset = json.load(f)["step_offset"]
+            offset_path.write_text(json.dumps({"step_offset": step_offset}))
+    elif latest is not None and offset_path.exists():
+        step_offset = json.loads(offset_path.read_text())["step_offset"]
     else:
         step_offset = 0
-        if lead and mngr.latest_step() is None and os.path.exists(offset_path):
-            os.remove(offset_path)  # a fresh start
+        if lead and latest is None and offset_path.exists():
+            offset_path.unlink()  # a fresh start
     tx = make_optimizer(o.lr, o.steps, o.warmup, o.clip, o.weight_decay, o.end_lr_ratio, step_offset=step_offset)
+    opt_abstract = jax.eval_shape(lambda p: init_train_state(p, tx)[1], abstract)
+    sh = train_shardings(mesh, abstract, opt_abstract, tparams)
     if carry is not None:
-        from dspark_jax.drafter import load_drafter
-
-        # The carry is stored bf16; resumed as float32 master weights (not the target's dtype, as serving loads).
-        drafter = drafter.with_params(load_drafter(carry["drafter"], target, dtype=jnp.float32).params)
-    params, opt_state = init_train_state(nnx.to_pure_dict(drafter.params), tx)  # a copy: the step donates it
-    tparams = nnx.to_pure_dict(target.params)
-    sh = train_shardings(mesh, params, opt_state, tparams)
-    params, opt_state = jax.device_put(params, sh.params), jax.device_put(opt_state, sh.opt)
-    tparams = jax.device_put(tparams, sh.target)
+        params = place(carry_params(carry["drafter"], abstract, dcfg), sh.params)
+    else:
+        params = init_params(dcfg, cfg.drafter.init_seed, sh.params)
+    params, opt_state = jax.jit(lambda p: init_train_state(p, tx), out_shardings=(sh.params, sh.opt),
+                                donate_argnums=0)(params)
     weights = LossWeights(**o.loss) if o.loss else None
     step_fn = make_train_step(target, drafter, tx, weights, shardings=sh, tparams=tparams)
 
     d = cfg.data
-    it = make_iterator(d.path, seq_len=d.seq_len, anchors_per_seq=d.anchors_per_seq,
-                       batch_sequences=d.batch_sequences, seed=cfg.run.seed,
+    it = make_iterator(paths.data, seq_len=d.seq_len, anchors_per_seq=d.anchors_per_seq,
+                       batch_sequences=d.batch_sequences, seed=cfg.run.seed, worker_count=d.worker_count,
                        process_index=jax.process_index(), process_count=jax.process_count(),
-                       feature_layers=drafter.config.target_layers if d.features else None,
-                       features_path=d.features_path)
-    start = 0
-    log_path = os.path.join(out_dir, "metrics.jsonl") if lead else os.devnull
+                       feature_layers=dcfg.target_layers if d.features else None, features_path=paths.features)
+    if d.features:
+        from train.features import batch_bytes
+
+        print(f"precomputed features: {batch_bytes(d, dcfg, target.config) / 2**30:.2f} GiB of host memory per "
+              "global batch (bf16)", flush=True)
+    start, keep_from = 0, paths.out / "metrics.jsonl"
     if carry is not None:
-        start = carry["step"]
-        it.set_state(carry["data"])
-        if lead:
-            shutil.copyfile(os.path.join(cfg.run.carry_dir, "metrics.jsonl"), log_path)
-        print(f"continued from the carry at step {start} in {cfg.run.carry_dir} (fresh AdamW moments)", flush=True)
-    elif mngr.latest_step() is not None:
-        start = mngr.latest_step()
+        start, keep_from = carry["step"], carry["metrics"]
+        if len(carry["data"]) != jax.process_count():
+            raise ValueError(f"the carry in {paths.carry} holds the data positions of {len(carry['data'])} "
+                             f"processes; this run has {jax.process_count()}")
+        it.set_state(carry["data"][jax.process_index()])
+        print(f"continued from the carry at step {start} in {paths.carry} (fresh AdamW moments)", flush=True)
+    elif latest is not None:
+        start = latest
         restored = mngr.restore(start, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(params), opt=ocp.args.StandardRestore(opt_state),
             data=grain.checkpoint.CheckpointRestore(it)))
         params, opt_state = restored["params"], restored["opt"]
-        print(f"resumed from step {start} in {out_dir}", flush=True)
-    if lead:
-        _rewrite_log(log_path, start)
+        print(f"resumed from step {start} in {paths.out}", flush=True)
+    log = MetricsLog(paths.out / "metrics.jsonl" if lead else None, keep_from if lead else None, start)
 
     end = o.steps if stop_after is None else min(o.steps, stop_after)
     bar = tqdm(range(start, end), initial=start, total=o.steps, desc=f"fit {cfg.drafter.kind}",
                disable=not (progress and lead))
     t0 = time.perf_counter()
-    with open(log_path, "a") as log:
-        for step in bar:
-            batch = put_batch(next(it), sh.batch)
-            params, opt_state, metrics = step_fn(params, opt_state, batch)
-            done = step + 1
-            if done % cfg.run.log_every == 0 or done == o.steps:
-                rec = {"step": done, **_host(metrics), "elapsed_s": round(time.perf_counter() - t0, 1)}
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{np.mean(rec['acceptance']):.3f}")
-            wrote = mngr.save(done, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
-                data=grain.checkpoint.CheckpointSave(it)), force=done == o.steps)
-            if wrote and cfg.run.carry_dir:
-                log.flush()
-                host = _gather(params)  # every process joins the gather; process 0 writes
-                if lead:
-                    write_carry(cfg.run.carry_dir, drafter.with_params(_to_state(drafter, host)), done,
-                                it.get_state(), log_path)
+    for step in bar:
+        batch = put_batch(next(it), sh.batch)
+        params, opt_state, metrics = step_fn(params, opt_state, batch)
+        done = step + 1
+        if done % cfg.run.log_every == 0 or done == o.steps:
+            rec = {"step": done, **_host(metrics), "elapsed_s": round(time.perf_counter() - t0, 1)}
+            log.record(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{np.mean(rec['acceptance']):.3f}")
+        wrote = mngr.save(done, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
+            data=grain.checkpoint.CheckpointSave(it)), force=done == o.steps)
+        if wrote and paths.carry is not None:
+            host = gather_params(params)  # every process joins the gathers; process 0 writes
+            states = gather_json(it.get_state())
+            if lead:
+                write_carry(paths.carry, drafter.with_params(_to_state(drafter, host)), done, states, log.text())
     mngr.wait_until_finished()
     mngr.close()
-    host = _gather(params)
-    trained = drafter.with_params(_to_state(drafter, jax.tree.map(jnp.asarray, host)))
-    if end == o.steps:
-        # Several processes all join the save (Orbax synchronises them); numpy leaves are written once, by
-        # process 0, and load on any number of devices (global arrays would carry this run's device topology).
-        saved = trained if jax.process_count() == 1 else drafter.with_params(_to_state(drafter, host))
-        saved.save(os.path.join(out_dir, "drafter"))
+    it.close()  # stops grain's worker processes, if any
+    host = gather_params(params)
+    # One process: arrays on its default device, ready to draft with; several: host copies.
+    trained = drafter.with_params(_to_state(drafter, jax.tree.map(
+        jnp.asarray if jax.process_count() == 1 else np.asarray, host)))
+    if end == o.steps and lead:
+        save_drafter(trained, paths.out / "drafter")
         if export:
-            saved.save(export, dtype="bfloat16")
+            save_drafter(trained, resolve(export, cfg.run.path_roots), dtype="bfloat16")
     return trained
 
 
-def read_carry(carry_dir: str | None) -> dict | None:
-    """The carry in `carry_dir` ({"step", "data", "drafter": path}), or None when there is none."""
-    path = os.path.join(carry_dir, "carry.json") if carry_dir else None
-    if path is None or not os.path.exists(path):
+# ---- carries (see the module docstring) ---------------------------------------------------------------------------
+CARRY_FILE = "carry.json"
+
+
+def read_carry(carry_dir) -> dict | None:
+    """The carry in `carry_dir` as {"step", "data": [state per process], "drafter": epath.Path, "metrics":
+    epath.Path}, or None when there is none."""
+    if carry_dir is None:
         return None
-    with open(path) as f:
-        carry = json.load(f)
-    return {**carry, "drafter": os.path.join(carry_dir, "drafter")}
+    carry_dir = epath.Path(carry_dir)
+    path = carry_dir / CARRY_FILE
+    if not path.exists():
+        return None
+    carry = json.loads(path.read_text())
+    where = carry_dir / carry["dir"] if "dir" in carry else carry_dir
+    data = carry["data"] if isinstance(carry["data"], list) else [carry["data"]]
+    return {"step": carry["step"], "data": data, "drafter": where / "drafter", "metrics": where / "metrics.jsonl"}
 
 
-def write_carry(carry_dir: str, drafter, step: int, data_state: dict, log_path: str) -> None:
-    """Writes the carry beside the old one, then swaps it in (a killed write leaves the old carry whole)."""
-    parent = os.path.dirname(os.path.abspath(carry_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".carry-", dir=parent)
-    drafter.save(os.path.join(tmp, "drafter"), dtype="bfloat16")
-    shutil.copyfile(log_path, os.path.join(tmp, "metrics.jsonl"))
-    with open(os.path.join(tmp, "carry.json"), "w") as f:
-        json.dump({"step": step, "data": data_state}, f, indent=1)
-    old = carry_dir.rstrip("/") + ".old"
-    if os.path.exists(carry_dir):
-        os.rename(carry_dir, old)
-    os.rename(tmp, carry_dir)
-    shutil.rmtree(old, ignore_errors=True)
+def write_carry(carry_dir, drafter, step: int, data_states: list, metrics_text: str) -> None:
+    """Writes the carry of `step` (process 0 only; `drafter` holds host parameters)."""
+    carry_dir = epath.Path(carry_dir)
+    name = f"step-{step}"
+    save_drafter(drafter, carry_dir / name / "drafter", dtype="bfloat16")
+    (carry_dir / name / "metrics.jsonl").write_text(metrics_text)
+    tmp = carry_dir / f".{CARRY_FILE}.tmp"
+    tmp.write_text(json.dumps({"step": step, "dir": name, "processes": len(data_states), "data": data_states},
+                              indent=1))
+    tmp.replace(carry_dir / CARRY_FILE)
+    for old in carry_dir.glob("step-*"):
+        if old.name != name:
+            old.rmtree()
+    for old in ("drafter", "metrics.jsonl"):  # the first carries' layout, now superseded
+        if (carry_dir / old).exists():
+            (carry_dir / old).rmtree() if (carry_dir / old).is_dir() else (carry_dir / old).unlink()
 
 
-def _gather(pure):
-    """Global (possibly multi-process) arrays → full numpy copies on every process."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+def save_drafter(drafter, directory, dtype: str | None = None) -> None:
+    """`Drafter.save` to a local directory or, through a local temporary copy, to any epath URI."""
+    directory = epath.Path(directory)
+    if "://" not in os.fspath(directory):
+        drafter.save(os.fspath(directory), dtype=dtype)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter.save(tmp, dtype=dtype)
+        directory.mkdir(parents=True, exist_ok=True)
+        for f in sorted(os.listdir(tmp)):
+            epath.Path(tmp, f).copy(directory / f, overwrite=True)
 
-        return multihost_utils.process_allgather(pure, tiled=True)
-    return jax.device_get(pure)
+
+def carry_params(drafter_dir, abstract: dict, config) -> dict:
+    """The carried parameters as host arrays shaped like `abstract` (the run's drafter: a pure dict of
+    ShapeDtypeStructs, float32) read from the carry's safetensors on this host, never through one device.
+    `config` (the run's DrafterConfig) must be the carry's."""
+    from dspark_jax.drafter_config import DrafterConfig
+    from dspark_jax.weights import SafetensorsSlices
+
+    drafter_dir = epath.Path(drafter_dir)
+    reader = SafetensorsSlices(drafter_dir, ranged="://" in os.fspath(drafter_dir))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    out = []
+    for path, spec in leaves:
+        key = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        if key not in reader.tensors:
+            raise ValueError(f"the carry in {drafter_dir} lacks {key}: was it written for another drafter config?")
+        x = reader.read(key, [(0, n) for n in reader.shape(key)])
+        if x.shape != spec.shape:
+            raise ValueError(f"the carry's {key} has shape {x.shape}, this run's drafter needs {spec.shape}")
+        out.append(np.asarray(x, spec.dtype))
+    extra = sorted(set(reader.tensors) - {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
+                                          for p, _ in leaves})
+    if extra:
+        raise ValueError(f"the carry in {drafter_dir} has parameters this run's drafter lacks: {extra[:3]}")
+    carried = DrafterConfig.from_dict(json.loads((drafter_dir / "drafter_config.json").read_text()))
+    if carried != config:
+        diff = sorted(k for k, v in carried.to_dict().items() if config.to_dict().get(k) != v)
+        raise ValueError(f"the carry in {drafter_dir} was written for another drafter config (differs in {diff})")
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _listing(directory) -> list | None:
+    """[(name, size)] of the files directly under `directory` (a fact every host must agree on), or None."""
+    directory = epath.Path(directory)
+    if not directory.exists():
+        return None
+    return sorted((p.name, p.stat().length) for p in directory.iterdir() if not p.is_dir())
 
 
 def _to_state(drafter, pure):
@@ -230,4 +391,4 @@ def _to_state(drafter, pure):
     return state
 
 
-__all__ = ["build", "fit", "read_carry", "write_carry"]
+__all__ = ["RunPaths", "build", "carry_params", "fit", "init_params", "read_carry", "save_drafter", "write_carry"]

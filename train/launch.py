@@ -11,10 +11,11 @@ The launcher starts processes `--process-ids` (default: all N) of an N-process r
 `[pI]`, and stops the others as soon as one fails (the rest would wait at the next collective until the
 coordinator's timeout). On one machine `--cpu-devices D` gives every process D simulated CPU devices
 (`--xla_force_host_platform_device_count`), and cross-process CPU collectives go through gloo. On a TPU pod
-slice every host runs the same command with its own `--process-ids` and the coordinator's address:
+slice every host runs the same command with its own `--process-ids` and the coordinator's address (a v5p-64
+slice: 32 chips on 8 hosts, one process per host):
 
-    python -m train launch --num-processes 4 --process-ids $HOST_INDEX --coordinator $HOST0_IP:8476 \\
-        -- fit --config configs/qwen3_8b_tpu_v5p64.yaml
+    python -m train launch --num-processes 8 --process-ids $HOST_INDEX --coordinator $HOST0_IP:8476 \\
+        -- fit --config gs://your-bucket/dspark/configs/qwen3_8b_tpu_v5p64.yaml
 
 (or, on Cloud TPU, `python -m train fit` alone with `mesh.distributed: true`: JAX then detects all three).
 """
