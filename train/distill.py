@@ -13,9 +13,10 @@ drafter's `target_layers`, feats float32 [B, T, m·D] (KV injection, eq. 2). It 
 pass, so it does not go through `Decoder.__call__`'s cached path (a KV buffer of capacity T written and read per
 layer, and on GPU/TPU the Pallas *verification* kernel, built for a few query tokens against a long cache and not
 partitioned for a training mesh): the same stacked layers run under `lax.scan` with plain causal attention,
-`jax.nn.dot_product_attention` (`is_causal`, grouped K/V heads) — XLA's attention on TPU and CPU, cuDNN's flash
-attention where the GPU build has it, partitioned by XLA like any other op. Right padding needs no mask: a causal
-query never reads a later (pad) position. tests/test_train_pipeline.py checks it equals the plain forward and
+`jax.nn.dot_product_attention` (`is_causal`, grouped K/V heads; its default implementation is XLA's dense attention
+on every backend, f32 scores [B, N, T, T] per layer, partitioned by XLA like any other op — a flash kernel, cuDNN's
+or TPU Splash, would drop that buffer and is not measured here yet). Right padding needs no mask: a causal query
+never reads a later (pad) position. tests/test_train_pipeline.py checks it equals the plain forward and
 that the step's jaxpr holds no `pallas_call`.
 """
 

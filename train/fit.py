@@ -52,6 +52,7 @@ from train.sharding import (
     gather_params,
     load_target_per_host,
     make_train_mesh,
+    per_device_bytes,
     place,
     put_batch,
     target_source,
@@ -79,7 +80,8 @@ class RunPaths:
 
 def init_params(dcfg, seed: int, shardings=None) -> dict:
     """A fresh float32 drafter as a pure dict, made by one jitted program straight into `shardings` (each device
-    computes its own shard; None: the default device). Equal to `init_drafter(..., seed=seed)`'s parameters."""
+    computes its own shard; None: the default device): `init_drafter(..., seed=seed)`'s parameters up to float
+    rounding (~1e-8: the same random bits, the initialisers' arithmetic fused)."""
     from dspark_jax.drafter_model import DrafterModel
 
     def init():
@@ -181,7 +183,7 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     kind, directory = ("given", None) if target is not None else target_source(cfg)
     facts = {"config": {**cfg.to_dict(), "run": {k: v for k, v in cfg.to_dict()["run"].items()
                                                  if k != "path_roots"}},  # mount points may differ per host
-             "data": _listing(paths.data), "target": {"spec": cfg.target.spec, "dtype": dtype}}
+             "data": _listing(paths.data, sizes=False), "target": {"spec": cfg.target.spec, "dtype": dtype}}
     if kind == "hf":
         load, target_facts = load_target_per_host(directory, dtype, mesh)
         facts.update(target_facts)
@@ -194,6 +196,9 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     carry = read_carry(paths.carry)
     if carry is not None and (latest or 0) >= carry["step"]:
         carry = None  # this run's own checkpoint is at least as new
+    if carry is not None and len(carry["data"]) != jax.process_count():
+        raise ValueError(f"the carry in {paths.carry} holds the data positions of {len(carry['data'])} processes; "
+                         f"this run has {jax.process_count()} (each reads its own share of the data)")
     facts["resume"] = {"checkpoint": latest, "carry": None if carry is None else
                        {"step": carry["step"], "data": carry["data"], "params": _listing(carry["drafter"])}}
     agree(facts)  # before any array is loaded: a disagreement costs seconds, not a target load
@@ -226,6 +231,10 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     tx = make_optimizer(o.lr, o.steps, o.warmup, o.clip, o.weight_decay, o.end_lr_ratio, step_offset=step_offset)
     opt_abstract = jax.eval_shape(lambda p: init_train_state(p, tx)[1], abstract)
     sh = train_shardings(mesh, abstract, opt_abstract, tparams)
+    if lead:
+        held = {name: per_device_bytes(tree, dict(mesh.shape)) / 2**30
+                for name, tree in [("target", tparams), ("drafter", abstract), ("AdamW", opt_abstract)]}
+        print("train state per device: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in held.items()), flush=True)
     if carry is not None:
         params = place(carry_params(carry["drafter"], abstract, dcfg), sh.params)
     else:
@@ -248,9 +257,6 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     start, keep_from = 0, paths.out / "metrics.jsonl"
     if carry is not None:
         start, keep_from = carry["step"], carry["metrics"]
-        if len(carry["data"]) != jax.process_count():
-            raise ValueError(f"the carry in {paths.carry} holds the data positions of {len(carry['data'])} "
-                             f"processes; this run has {jax.process_count()}")
         it.set_state(carry["data"][jax.process_index()])
         print(f"continued from the carry at step {start} in {paths.carry} (fresh AdamW moments)", flush=True)
     elif latest is not None:
@@ -376,12 +382,14 @@ def carry_params(drafter_dir, abstract: dict, config) -> dict:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _listing(directory) -> list | None:
-    """[(name, size)] of the files directly under `directory` (a fact every host must agree on), or None."""
+def _listing(directory, sizes: bool = True) -> list | None:
+    """The names (and sizes) of the files directly under `directory`, a fact every host must agree on; None
+    when it does not exist. Data shards are listed by name only: a bucket answers one request per size."""
     directory = epath.Path(directory)
     if not directory.exists():
         return None
-    return sorted((p.name, p.stat().length) for p in directory.iterdir() if not p.is_dir())
+    files = sorted(p for p in directory.iterdir() if not p.is_dir())
+    return [(p.name, p.stat().length) if sizes else p.name for p in files]
 
 
 def _to_state(drafter, pure):

@@ -197,9 +197,11 @@ def target_source(cfg) -> tuple[str, epath.Path | None]:
 
 
 def load_target_per_host(directory: epath.Path, dtype: str, mesh):
-    """(Target whose params are global arrays on `mesh`, {fact: value} for `agree`), each process reading only
-    its devices' slices. The tokenizer is loaded only from a local directory (training needs none but its EOS
-    ids, which the config also gives)."""
+    """(load, facts): `load()` returns a Target whose params are global arrays on `mesh` (laid out by
+    `tree_shardings`), each process reading only its devices' slices; `facts` ({"target": ...} for `agree`) come
+    from the config and safetensors headers alone, so hosts compare them before reading any weights. The
+    tokenizer is loaded only from a local directory (training needs none but its EOS ids, which the config also
+    gives)."""
     from dspark_jax.config import ModelConfig
     from dspark_jax.model import Decoder
     from dspark_jax.target import DTYPES, Target
