@@ -654,26 +654,14 @@ class ModelRunner:
                 best[key] = max(best[key], self._timed_run(b, repeats, **kw))
         return best
 
-    def profile(self, mode: str, context: int = 256, repeats: int = 3, max_draft: int | None = None,
-                progress=None, plain: bool = False, blocks: int = PROFILE_BLOCKS) -> tuple[dict, dict]:
-        """Steps per second of a full step (draft + verify) at every (batch bucket, capacity) shape, with real
-        work: R = the bucket's rows active at `context` committed tokens, ℓ spread so the pass holds
-        `capacity` tokens → {(batch bucket, capacity): steps/s}; with `plain` also the plain step (no draft
-        pass, one token per row) of every batch bucket → {bucket: steps/s} (else empty). Each batch bucket's
-        shapes, its plain step among them, are timed interleaved (`_profile_shapes`). Writes go to dropped
-        pages."""
-        table, plain_table = {}, {}
-        for done, total, full, plain_steps in self.profile_buckets(mode, context, repeats, max_draft, plain, blocks):
-            table.update(full)
-            plain_table.update(plain_steps)
-            if progress is not None:
-                progress(done, total)
-        return table, plain_table
-
     def profile_buckets(self, mode: str, context: int = 256, repeats: int = 3, max_draft: int | None = None,
                         plain: bool = False, blocks: int = PROFILE_BLOCKS):
-        """`profile` one batch bucket at a time: yields (shapes done, shapes in all, {(bucket, capacity):
-        steps/s}, {bucket: plain steps/s}) after each bucket, so a caller can interleave other work."""
+        """Steps per second of a full step (draft + verify) at every (batch bucket, capacity) shape, with real
+        work: R = the bucket's rows active at `context` committed tokens, ℓ spread so the pass holds `capacity`
+        tokens; with `plain` also the plain step (no draft pass, one token per row) of every batch bucket. Each
+        batch bucket's shapes, its plain step among them, are timed interleaved (`_profile_shapes`); writes go to
+        dropped pages. Yields (shapes done, shapes in all, {(bucket, capacity): steps/s}, {bucket: plain
+        steps/s}) after each bucket, so a caller can interleave other work (serve/engine.py `_profile`)."""
         context = max(0, min(context, self.max_pages * self.page_size - self.L - 2))
         by_bucket: dict[int, dict] = {}
         for bb, cap in self.verify_shapes(max_draft):

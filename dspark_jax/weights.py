@@ -137,25 +137,31 @@ def read_hf_dir(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
     return config, tensors
 
 
-def stack_layers(params: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
-    """{"layers.{i}.<name>": [...]} for every layer i → {"layers.<name>": [num_layers, ...]}: the Decoder's
-    stacked layer (model.stacked_layers). A name some layers lack, or one past the last layer, is an error."""
+def group_layers(items: dict, num_layers: int) -> dict:
+    """{"layers.{i}.<name>": x} for every layer i → {"layers.<name>": [x of layer 0, …, x of the last]}; other
+    entries pass through. The Decoder stores its layers stacked (model.stacked_layers), so a name some layers lack,
+    or one past the last layer, is an error."""
     out, per_layer = {}, {}
-    for path, w in params.items():
+    for path, x in items.items():
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", path)
         if m is None:
-            out[path] = w
+            out[path] = x
         else:
-            per_layer.setdefault(m.group(2), {})[int(m.group(1))] = w
-    for name, ws in per_layer.items():
-        lacking = sorted(set(range(num_layers)) - set(ws))
+            per_layer.setdefault(m.group(2), {})[int(m.group(1))] = x
+    for name, xs in per_layer.items():
+        lacking = sorted(set(range(num_layers)) - set(xs))
         if lacking:
             raise ValueError(f"checkpoint lacks layers.N.{name} for layers {lacking[:5]} (of {num_layers})")
-        if len(ws) > num_layers:
+        if len(xs) > num_layers:
             raise ValueError(f"checkpoint has tensors this config does not use: layers.N.{name} for layers "
-                             f"{sorted(set(ws) - set(range(num_layers)))[:5]} (the config has {num_layers})")
-        out[f"layers.{name}"] = np.stack([ws[i] for i in range(num_layers)])
+                             f"{sorted(set(xs) - set(range(num_layers)))[:5]} (the config has {num_layers})")
+        out[f"layers.{name}"] = [xs[i] for i in range(num_layers)]
     return out
+
+
+def stack_layers(params: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
+    """{"layers.{i}.<name>": [...]} for every layer i → {"layers.<name>": [num_layers, ...]} (`group_layers`)."""
+    return {path: np.stack(w) if isinstance(w, list) else w for path, w in group_layers(params, num_layers).items()}
 
 
 def build_decoder(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> Decoder:
@@ -296,30 +302,21 @@ def read_slice(reader: SafetensorsSlices, name: str, fn: Transform, ours: tuple[
 
 def _sources(names, cfg: ModelConfig) -> dict[str, tuple[Transform, list[str] | str]]:
     """{our dotted path: (transform, HF name — or, for a stacked layer parameter, one HF name per layer)}."""
-    per_layer, out = {}, {}
+    out = {}
     for name in names:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints still store a copy of the embedding
         for rx, path, fn in _COMPILED:
             m = rx.match(name)
             if m:
-                ours = path.format(*m.groups())
-                layer = re.fullmatch(r"layers\.(\d+)\.(.+)", ours)
-                if layer is None:
-                    out[ours] = (fn, name)
-                else:
-                    per_layer.setdefault(f"layers.{layer.group(2)}", (fn, {}))[1][int(layer.group(1))] = name
+                out[path.format(*m.groups())] = (fn, name)
                 break
         else:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             raise ValueError(f"unexpected tensor {name!r}: no rule in weights.WEIGHT_TABLE matches it")
-    for path, (fn, by_layer) in per_layer.items():
-        if sorted(by_layer) != list(range(cfg.num_layers)):
-            raise ValueError(f"checkpoint has {path.replace('layers.', 'layers.N.')} for layers "
-                             f"{sorted(by_layer)[:5]}…, the config has {cfg.num_layers} layers")
-        out[path] = (fn, [by_layer[i] for i in range(cfg.num_layers)])
-    return out
+    grouped = group_layers(out, cfg.num_layers)
+    return {path: (v[0][0], [name for _, name in v]) if isinstance(v, list) else v for path, v in grouped.items()}
 
 
 def load_sharded(directory, cfg: ModelConfig, shardings, dtype=jnp.float32, *, reader=None) -> dict:

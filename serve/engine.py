@@ -831,15 +831,9 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
         if not sps.covers(runner.verify_shapes(max_draft)):
             raise ValueError(f"SPS table {sps_table} does not cover this engine's shapes; profile again")
     elif profile and not background:
-        entries, plain_sps = {}, {}
         update, close = _bar(progress, "profiling")
-        for i, ctx in enumerate(PROFILE_CONTEXTS):
-            prog = None if update is None else (lambda d, t, i=i: update(i * t + d, t * len(PROFILE_CONTEXTS)))
-            full, plain_steps = runner.profile(mode, context=ctx, max_draft=max_draft, progress=prog, plain=plain)
-            entries.update({(bb, cap, ctx): v for (bb, cap), v in full.items()})
-            plain_sps.update({(bb, ctx): v for bb, v in plain_steps.items()})
+        sps = _run_to_end(_profile(runner, mode, max_draft, plain, update))
         close()
-        sps = SpsTable(entries, plain_sps).smoothed()
     if sps is not None and sps_out:
         sps.save(sps_out)
     if sps is not None:
@@ -855,6 +849,30 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
             core.sps_ready = False
             say("serving plain steps until the SPS table is profiled; then the dspark scheduler speculates")
     return Engine(core, model_name=name, tokenizer=runner.target.tokenizer, background=work).start()
+
+
+def _profile(runner, mode: str, max_draft: int, plain: bool, progress=None):
+    """Profiles the SPS table at every PROFILE_CONTEXTS length, a batch bucket at a time: a generator that yields
+    after each bucket (so the engine's idle time can take it in steps) and returns the smoothed SpsTable."""
+    entries, plain_sps = {}, {}
+    for i, ctx in enumerate(PROFILE_CONTEXTS):
+        for done, total, full, plain_steps in runner.profile_buckets(mode, context=ctx, max_draft=max_draft,
+                                                                     plain=plain):
+            entries.update({(bb, cap, ctx): v for (bb, cap), v in full.items()})
+            plain_sps.update({(bb, ctx): v for bb, v in plain_steps.items()})
+            if progress is not None:
+                progress(i * total + done, total * len(PROFILE_CONTEXTS))
+            yield
+    return SpsTable(entries, plain_sps).smoothed()
+
+
+def _run_to_end(work):
+    """Runs a generator of start-up work (`_profile`) at once and returns what it returns."""
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            return done.value
 
 
 def _first_request_job(job: tuple, runner, mode: str, plain: bool) -> bool:
@@ -885,13 +903,7 @@ def _background_startup(runner, core: EngineCore, spec: SchedulerSpec, name: str
     if not profile:
         return
     t0 = time.perf_counter()
-    entries, plain_sps = {}, {}
-    for ctx in PROFILE_CONTEXTS:
-        for _, _, full, plain_steps in runner.profile_buckets(mode, context=ctx, max_draft=max_draft, plain=plain):
-            entries.update({(bb, cap, ctx): v for (bb, cap), v in full.items()})
-            plain_sps.update({(bb, ctx): v for bb, v in plain_steps.items()})
-            yield
-    sps = SpsTable(entries, plain_sps).smoothed()
+    sps = yield from _profile(runner, mode, max_draft, plain)
     if sps_out:
         sps.save(sps_out)
     core.set_sps(sps)

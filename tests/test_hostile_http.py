@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from test_server import MODEL, TEMPLATE, FakeEngine, expected_ids, make_tokenizer, text
+from test_server import MODEL, TEMPLATE, FakeEngine, app_for, expected_ids, make_tokenizer, text
 
 from serve.protocol import MAX_JSON_DEPTH
 from serve.server import ServerThread, build_app
@@ -32,11 +32,6 @@ REF_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "t3"}], "ma
 CHAT = [{"role": "user", "content": "t1"}]
 
 
-def _app(engine, **kw):
-    tok = make_tokenizer()
-    return build_app(engine, tok, chat_template=ChatFormatter(TEMPLATE, TokenizerAdapter(tok).encode), **kw)
-
-
 @pytest.fixture(scope="module")
 def engine():
     eng = FakeEngine()
@@ -46,7 +41,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(_app(engine, max_body_bytes=64 << 10)) as s:
+    with ServerThread(app_for(engine, max_body_bytes=64 << 10)) as s:
         yield s
 
 
@@ -370,7 +365,7 @@ def test_engine_queue_full_is_429(http, engine):
 
 
 def test_server_admission_bound_is_429(engine):
-    with ServerThread(_app(engine, max_waiting=3)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+    with ServerThread(app_for(engine, max_waiting=3)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
         engine.paused = True
         try:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -393,7 +388,8 @@ def test_server_admission_bound_is_429(engine):
 def test_request_timeout_is_504_and_frees_pages(engine):
     engine.step_s, engine.per_report = 0.02, 1
     try:
-        with ServerThread(_app(engine, request_timeout_s=0.4)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+        with (ServerThread(app_for(engine, request_timeout_s=0.4)) as s,
+              httpx.Client(base_url=s.base_url, timeout=10) as c):
             t0 = time.monotonic()
             err = _error(c.post("/v1/completions", json={**REF_COMPLETION, "max_tokens": 200}), 504, code="timeout")
             assert time.monotonic() - t0 < 2 and "0.4 s" in err["message"]
@@ -406,7 +402,7 @@ def test_request_timeout_is_504_and_frees_pages(engine):
 
 def test_dead_engine_leaves_no_request_hanging():
     eng = FakeEngine(step_s=0.01, per_report=1)
-    with ServerThread(_app(eng)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+    with ServerThread(app_for(eng)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             plain = pool.submit(c.post, "/v1/completions", json={**REF_COMPLETION, "max_tokens": 200})
             streamed = pool.submit(_stream_text, c, "/v1/completions", {**REF_COMPLETION, "max_tokens": 200})
@@ -422,7 +418,7 @@ def test_dead_engine_leaves_no_request_hanging():
 
 # ---- the API key ------------------------------------------------------------------------------------------------
 def test_api_key(engine):
-    with ServerThread(_app(engine, api_key="s3cret")) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+    with ServerThread(app_for(engine, api_key="s3cret")) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
                         {"authorization": "Basic czNjcmV0"}, {"authorization": "Bearer s3cret2"}):
             for method, path, body in (("POST", "/v1/completions", REF_COMPLETION), ("GET", "/v1/models", None),

@@ -223,11 +223,15 @@ def engine():
     eng.close()
 
 
+def app_for(engine, **kw):
+    """The server app over `engine` with the word tokenizer and TEMPLATE (`build_app` keywords pass through)."""
+    tok = make_tokenizer()
+    return build_app(engine, tok, chat_template=ChatFormatter(TEMPLATE, TokenizerAdapter(tok).encode), **kw)
+
+
 @pytest.fixture(scope="module")
 def server(engine):
-    tok = make_tokenizer()
-    app = build_app(engine, tok, chat_template=ChatFormatter(TEMPLATE, TokenizerAdapter(tok).encode))
-    with ServerThread(app) as s:
+    with ServerThread(app_for(engine)) as s:
         yield s
 
 

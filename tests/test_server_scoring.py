@@ -14,16 +14,19 @@ import json
 import httpx
 import openai
 import pytest
-from test_server import EOS, IM_START, MODEL, TEMPLATE, FakeEngine, expected_ids, fake_logprob, fake_top, make_tokenizer
+from test_server import (
+    EOS,
+    IM_START,
+    MODEL,
+    FakeEngine,
+    app_for,
+    expected_ids,
+    fake_logprob,
+    fake_top,
+)
 
 from serve import responses as R
-from serve.server import ServerThread, build_app
-from serve.text import ChatFormatter, TokenizerAdapter
-
-
-def _app(engine, **kw):
-    tok = make_tokenizer()
-    return build_app(engine, tok, chat_template=ChatFormatter(TEMPLATE, TokenizerAdapter(tok).encode), **kw)
+from serve.server import ServerThread
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(_app(engine, max_prompt_logprobs=600)) as s:
+    with ServerThread(app_for(engine, max_prompt_logprobs=600)) as s:
         yield s
 
 
@@ -150,7 +153,7 @@ def test_prompt_logprob_cost_is_bounded(http, body, entries):
 
 
 def test_too_many_choices_is_400_not_429(engine):
-    with ServerThread(_app(engine, max_waiting=8)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+    with ServerThread(app_for(engine, max_waiting=8)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": ["t1"] * 5, "n": 2, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices", r.text
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": ["t1"] * 4, "n": 2, "max_tokens": 1})

@@ -1,14 +1,22 @@
 """Compares lm-eval's logged samples (lm_eval_out/, see README.md) with transformers on the same GGUF weights."""
-import glob, json, os, sys
+import glob
+import json
+import os
+import sys
+
 import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
+
 from dspark_jax import hub
+
 kind, path = hub.resolve_target("smollm2-135m-instruct")
 folder, name = os.path.split(path)
 tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "tests"))
 from test_smollm2 import torch_gguf_model
+
 hf = torch_gguf_model(path)
 def samples(task):
     (p,) = glob.glob(f"{HERE}/lm_eval_out/**/samples_{task}_*.jsonl", recursive=True)

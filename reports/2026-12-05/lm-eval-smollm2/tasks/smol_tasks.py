@@ -1,4 +1,6 @@
-import json, pathlib
+import json
+import pathlib
+
 HERE = pathlib.Path(__file__).parent
 def _load(name):
     import datasets
