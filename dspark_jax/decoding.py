@@ -265,11 +265,4 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
     KernelConfig.parse(kernels)  # validates the modes
     compute = dtype_name(target.dtype)
     kv_dtype = resolve_dtype(kv_dtype, auto=compute)
-    if drafter is not None and drafter.config.kind == "eagle3":  # drafts token by token from its own cache
-        from dspark_jax.spec_decode import generate_speculative
-
-        if kv_dtype != compute:
-            raise ValueError(f"kv_dtype={kv_dtype}: an eagle3 drafter decodes over dense caches in the target's "
-                             f"dtype ({compute}); pass kv_dtype='auto'")
-        return generate_speculative(target, drafter, prompts, policy=policy, **kw)
     return generate_paged(target, drafter, prompts, policy=policy, **kw, on_round=on_round, kv_dtype=kv_dtype)

@@ -123,25 +123,47 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
 
 
 def _draft_eagle(model: DrafterModel, head, cache, anchor, keys, temperature, top_k, top_p):
-    """EAGLE-3: L sequential steps; step k feeds (x_{n+k}, feature) at position n−1+k."""
+    """EAGLE-3 over a dense cache: L sequential steps; step k feeds (x_{n+k}, feature) at position n−1+k."""
     cfg = model.cfg
     L, B = cfg.block_size, anchor.shape[0]
     shape = (B, cfg.num_kv_heads, L, cfg.head_dim)
     dtype = cache.k[0].dtype
 
-    def body(carry, k):
-        tok, feat, ek, ev, emask = carry
-        out, h, (kk, vv) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, (ek, ev, emask))
-        probs = filter_probs(draft_vocab.head_logits(head, h, cfg), temperature, top_k, top_p)
-        x = draft_vocab.to_target(sample(_step_keys(keys, k), probs, all_greedy(temperature)), cfg)
+    def step(tok, feat, k, extra):
+        ek, ev, emask = extra
+        out, h, (kk, vv) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, extra)
         ek = jax.lax.dynamic_update_index_in_dim(ek, kk.astype(dtype), k, 2)
         ev = jax.lax.dynamic_update_index_in_dim(ev, vv.astype(dtype), k, 2)
-        emask = emask.at[:, k].set(True)
-        return (x, out.astype(feat.dtype), ek, ev, emask), (x, probs)
+        return out, h, (ek, ev, emask.at[:, k].set(True))
 
-    init = (anchor, cache.last_feature, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((B, L), bool))
-    _, (tok, probs) = jax.lax.scan(body, init, jnp.arange(L))
-    return tok.T.astype(jnp.int32), draft_vocab.to_vocab(probs.swapaxes(0, 1), cfg), jnp.ones((B, L), jnp.float32)
+    extra = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((B, L), bool))
+    return draft_eagle(model, head, step, anchor, cache.last_feature, extra, keys, temperature, top_k, top_p)
+
+
+def draft_eagle(model: DrafterModel, head: TargetHead, step, anchor, feature, extra, keys, temperature, top_k, top_p,
+                full_vocab_q: bool = True):
+    """EAGLE-3's block: L autoregressive steps (`lax.scan`), step k feeding (x_{n+k}, its feature) and sampling
+    x_{n+k+1}; step 0 feeds the anchor x_n with f_{n−1}, step k > 0 the drafted token with step k−1's output.
+
+    step(token [B], feature [B, D], k, extra) → (pre-norm output [B, D], final-normed h [B, D], extra): one
+    layer pass over the drafter's context, dense (`_draft_eagle`) or paged (`paged.eagle_step_paged`); `extra`
+    carries the drafted steps' keys and values. Returns (draft tokens [B, L], draft probs [B, L, V] (the
+    drafter's own vocabulary [B, L, Vd] with `full_vocab_q=False`, as `draft_from_hidden`), confidence = 1)."""
+    cfg = model.cfg
+    L, B = cfg.block_size, anchor.shape[0]
+    greedy = all_greedy(temperature)
+
+    def body(carry, k):
+        tok, feat, extra = carry
+        out, h, extra = step(tok, feat, k, extra)
+        probs = filter_probs(draft_vocab.head_logits(head, h, cfg), temperature, top_k, top_p)
+        x = draft_vocab.to_target(sample(_step_keys(keys, k), probs, greedy), cfg)
+        return (x, out.astype(feat.dtype), extra), (x, probs)
+
+    _, (tok, probs) = jax.lax.scan(body, (anchor, feature, extra), jnp.arange(L))
+    probs = probs.swapaxes(0, 1)
+    return (tok.T.astype(jnp.int32), draft_vocab.to_vocab(probs, cfg) if full_vocab_q else probs,
+            jnp.ones((B, L), jnp.float32))
 
 
 class Drafter:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspark_jax import kernels as kernels_lib
-from dspark_jax.drafter_model import DrafterModel
+from dspark_jax.drafter_model import DrafterModel, TargetHead
 from dspark_jax.layers import rope_angles, rope_inv_freq, rotate
 from dspark_jax.model import Decoder, concat_saved, hidden_slots, scan_layers
 
@@ -300,12 +300,18 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
     return model.final_norm(x)[0], PagedKV(k=k_pool, v=v_pool), hidden
 
 
-def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid, block_tables) -> PagedKV:
-    """Context entries RMSNorm(fc(feats)) → K/V of every drafter layer, written at the tokens' positions.
+def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid, block_tables, *, tokens=None,
+                       first=None, embed=None) -> PagedKV:
+    """The drafter's context entries for the flat tokens of a pass (prefill chunk or verification), written at
+    their pages.
 
-    feats [T, m·D]: the target features of the flat tokens (dspark / dflash drafters)."""
+    dspark / dflash: entry p = RMSNorm(fc(feats_p)) → K/V of every drafter layer at position p (and into the
+    feature pool with `anchor_feature`). eagle3 (`eagle_write_flat`) also needs the tokens [T], which rows are
+    each request's first of the pass (`first` [T]) and the target's embedding `embed` [V, D].
+
+    feats [T, m·D]: the target features of the flat tokens."""
     if model.cfg.kind == "eagle3":
-        raise ValueError("the paged serving path supports block drafters (dspark, dflash), not eagle3")
+        return eagle_write_flat(model, kv, embed, feats, tokens, slot, pos, valid, first, block_tables)
     page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
     h = model.project_features(feats[None])  # [1, T, D]
     inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
@@ -317,11 +323,54 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
     return PagedKV(k=k_pool, v=v_pool, feat=feat)
 
 
+def eagle_write_flat(model: DrafterModel, kv: PagedKV, embed, feats, tokens, slot, pos, valid, first,
+                     block_tables) -> PagedKV:
+    """EAGLE-3's context for the flat tokens of a pass (DrafterModel.write_prompt / write_context, paged).
+
+    Entry p pairs the fused feature f_p with the next token x_{p+1}: [embedding(x_{p+1}); f_p]. Token t (x at
+    pos[t]) therefore closes entry pos[t]−1, whose feature is the previous flat token's (same request) or, for
+    a request's first token of the pass (`first`), f_{pos−1} read back from the feature pool, where every pass
+    stores its tokens' fused features f_p at p. So after a pass over positions n..n+ℓ with m accepted, entries
+    0..n+m−1 hold, and the pool's f_{n+m} is the first draft step's feature: what the dense path kept as
+    `last_feature`. Entries past the accepted ones are rewritten by the next pass before anything reads them.
+
+    embed [V, D]; feats [T, m·D]; tokens, slot, pos [T]; valid, first bool [T]."""
+    fused = model.project_features(feats[None])[0]  # [T, D]
+    prev_pos = jnp.maximum(pos - 1, 0)
+    prev_page, prev_off = page_slots(block_tables, slot, prev_pos, valid, kv.num_pages, kv.page_size)
+    stored = kv.feat[jnp.clip(prev_page, 0, kv.num_pages - 1), 0, prev_off].astype(fused.dtype)  # f_{pos−1}
+    prev = jnp.where(first[:, None], stored, jnp.roll(fused, 1, axis=0))
+    page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
+    feat = write_pages(kv.feat, fused[:, None], page, off)
+    x = model.eagle_input(TargetHead(embed=embed, lm_head=None), tokens[None], prev[None])
+    layer = model.layers[0]  # EAGLE-3 has one layer
+    h = x if model.concat else layer.attn_norm(x)
+    k, v = layer.context_kv(h, prev_pos[None], rope_inv_freq(model.cfg.rope, model.cfg.head_dim))
+    entry_page, entry_off = page_slots(block_tables, slot, prev_pos, valid & (pos > 0), kv.num_pages, kv.page_size)
+    return PagedKV(k=write_pages(kv.k, k[0], entry_page, entry_off, 0),
+                   v=write_pages(kv.v, v[0], entry_page, entry_off, 0), feat=feat)
 def last_context_entry(kv: PagedKV, block_tables, lengths) -> jax.Array:
     """H_ctx[n−1] of each row [B, D] from the entry pool (rows with no context read a harmless entry)."""
     pos = jnp.maximum(lengths - 1, 0)
     page = block_tables[jnp.arange(lengths.shape[0]), pos // kv.page_size]
     return kv.feat[page, 0, pos % kv.page_size]
+
+
+def _layer_paged(layer, xn, residual, angles, kv: PagedKV, block_tables, context_lens, index: int, block_keys, *,
+                 chunk_tokens: int = 128):
+    """One drafter layer whose queries read the injected context from pages and a dense block of keys.
+
+    xn [B, T, D'] the layer's (normed) attention input; residual [B, T, D] the stream its output adds to;
+    context entries 0..context_lens[b]−1 of row b at layer `index` of the pools; block_keys(k, v) → (keys,
+    values [B, J, K, H], mask bool [B, T, J]) from this pass's own k, v [B, T, K, H] (RoPE applied).
+    Returns (the layer's output [B, T, D], (k, v))."""
+    q, k, v = layer.attn.qkv(xn)
+    q, k = rotate(q, angles), rotate(k, angles)
+    state = paged_attention_partial(q, kv.k, kv.v, block_tables, context_lens, None, chunk_tokens=chunk_tokens,
+                                    layer=index)
+    a = finish_attention(merge_block_keys(state, q, *block_keys(k, v)), residual.dtype, q.shape[1])
+    y = residual + layer.attn.out(a)
+    return y + layer.mlp(layer.mlp_norm(y)), (k, v)
 
 
 def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tables, lengths, anchor, *,
@@ -338,16 +387,46 @@ def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tab
     angles = rope_angles(positions, rope_inv_freq(model.cfg.rope, model.cfg.head_dim), x.dtype)
     block_mask = jnp.ones((B, n_in, n_in), bool)
     for i, layer in enumerate(model.layers):
-        q, k, v = layer.attn.qkv(layer.attn_norm(x))
-        q, k = rotate(q, angles), rotate(k, angles)
-        state = paged_attention_partial(q, kv.k, kv.v, block_tables, lengths, None, chunk_tokens=chunk_tokens,
-                                        layer=i)
-        a = finish_attention(merge_block_keys(state, q, k, v, block_mask), x.dtype, n_in)
-        x = x + layer.attn.out(a)
-        x = x + layer.mlp(layer.mlp_norm(x))
+        x, _ = _layer_paged(layer, layer.attn_norm(x), x, angles, kv, block_tables, lengths, i,
+                            lambda k, v: (k, v, block_mask), chunk_tokens=chunk_tokens)
     return model.block_output(x)
 
 
+def eagle_step_paged(model: DrafterModel, head: TargetHead, kv: PagedKV, block_tables, lengths, *,
+                     chunk_tokens: int = 128):
+    """EAGLE-3's draft step (DrafterModel.eagle_step) over the paged context of rows with `lengths` [B] = n
+    committed tokens: context entries 0..n−2 (`eagle_write_flat`), step k at position n−1+k.
+
+    Returns (step, extra0) for `drafter.draft_eagle`: step(token [B], feature [B, D], k, extra) → (pre-norm
+    output [B, D], final-normed h [B, D], extra), where extra = (k, v) [B, L, K, H] of the steps drafted so far;
+    step k attends to the context, to steps 0..k−1 and to itself."""
+    cfg = model.cfg
+    L, B = cfg.block_size, lengths.shape[0]
+    context_lens = jnp.maximum(lengths - 1, 0)
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    layer = model.layers[0]
+
+    def step(token, feature, k, extra):
+        ek, ev = extra
+        x = model.eagle_input(head, token[:, None], feature[:, None])  # [B, 1, D] ([B, 1, 2D] concat)
+        angles = rope_angles((context_lens + k)[:, None], inv_freq, x.dtype)
+        seen = jnp.broadcast_to((jnp.arange(L) <= k)[None, None], (B, 1, L))
+
+        def block_keys(kk, vv):  # this step's key joins the drafted ones at slot k
+            nonlocal ek, ev
+            ek = jax.lax.dynamic_update_index_in_dim(ek, kk[:, 0].astype(ek.dtype), k, 1)
+            ev = jax.lax.dynamic_update_index_in_dim(ev, vv[:, 0].astype(ev.dtype), k, 1)
+            return ek, ev, seen
+
+        xn, residual = (x, feature[:, None].astype(x.dtype)) if model.concat else (layer.attn_norm(x), x)
+        y, _ = _layer_paged(layer, xn, residual, angles, kv, block_tables, context_lens, 0, block_keys,
+                            chunk_tokens=chunk_tokens)
+        return y[:, 0], model.final_norm(y)[:, 0], (ek, ev)
+
+    shape = (B, L, cfg.num_kv_heads, cfg.head_dim)
+    return step, (jnp.zeros(shape, kv.k.dtype), jnp.zeros(shape, kv.k.dtype))
+
+
 __all__ = ["PagedKV", "batched_ragged_attention", "drafter_block_hidden_paged", "drafter_write_flat",
-           "finish_attention", "last_context_entry", "merge_block_keys", "page_slots", "paged_attention_partial",
-           "target_forward_flat", "write_pages"]
+           "eagle_step_paged", "eagle_write_flat", "finish_attention", "last_context_entry", "merge_block_keys",
+           "page_slots", "paged_attention_partial", "target_forward_flat", "write_pages"]

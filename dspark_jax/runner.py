@@ -40,10 +40,17 @@ from flax import nnx
 
 from dspark_jax import draft_vocab
 from dspark_jax import kernels as kernels_lib
-from dspark_jax.drafter import draft_from_hidden
+from dspark_jax.drafter import draft_eagle, draft_from_hidden
 from dspark_jax.drafter_model import TargetHead
 from dspark_jax.keys import DRAFT, VERIFY, round_keys
-from dspark_jax.paged import PagedKV, drafter_block_hidden_paged, drafter_write_flat, target_forward_flat
+from dspark_jax.paged import (
+    PagedKV,
+    drafter_block_hidden_paged,
+    drafter_write_flat,
+    eagle_step_paged,
+    last_context_entry,
+    target_forward_flat,
+)
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 from dspark_jax.scheduling import survival, topk_fill
 from dspark_jax.target import DTYPES, dtype_name, resolve_dtype
@@ -220,7 +227,8 @@ def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row
     h, tkv, feats = target_forward_flat(target, tkv, tokens, slot, pos, valid, table_row, (start + n_real)[None],
                                         qs, max_q_len=C, hidden_layers=hidden_layers, kernels=kernels)
     if dg is not None:
-        dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, table_row)
+        dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, table_row,
+                                 tokens=tokens, first=jnp.arange(C) == 0, embed=tparams["embed"][...])
     logits = target.head(h[jnp.maximum(n_real - 1, 0)])[None]  # [1, V]
     keys = round_keys(key[None], jnp.zeros((1,), jnp.int32), VERIFY)
     tok = sample(keys, filter_probs(logits, temp[None], top_k[None], top_p[None]), temp <= 0.0)
@@ -239,9 +247,13 @@ def draft_program(tparams, dparams, dhead, dkv, block_tables, lengths, anchors, 
     TRACES[(None, hash(dg)), _pool_key(dkv, block_tables), "draft", anchors.shape[0]] += 1
     model = nnx.merge(dg.value, dparams)
     head = TargetHead.from_params(tparams, tied, draft_lm_head=dhead)
+    keys = round_keys(keys, rounds, DRAFT)
+    if model.cfg.kind == "eagle3":  # L autoregressive steps over its paged context, from f_{n−1} in the pool
+        step, extra = eagle_step_paged(model, head, dkv, block_tables, lengths)
+        feature = last_context_entry(dkv, block_tables, lengths)
+        return draft_eagle(model, head, step, anchors, feature, extra, keys, temp, top_k, top_p, full_vocab_q=False)
     h = drafter_block_hidden_paged(model, head, dkv, block_tables, lengths, anchors)
-    return draft_from_hidden(model, head, h, anchors, round_keys(keys, rounds, DRAFT), temp, top_k, top_p,
-                             kernels, full_vocab_q=False)
+    return draft_from_hidden(model, head, h, anchors, keys, temp, top_k, top_p, kernels, full_vocab_q=False)
 
 
 @functools.partial(jax.jit, static_argnames=("tg", "dg", "capacity", "mode", "block_size", "hidden_layers",
@@ -307,7 +319,8 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
             lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, tk, tp), draft,
                            draft_vocab.to_vocab(q, nnx.merge(dg.value, dparams).cfg), lengths))
     if dg is not None:
-        dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, tables)
+        dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, tables,
+                                 tokens=tokens, first=j == 0, embed=tparams["embed"][...])
     lp = _logprob_outputs(flat_logits, res.emitted_tokens, jnp.any(batch["logprobs"] & active), rows)
     return (tkv, dkv, res.emitted_tokens, res.num_emitted, res.num_accepted, lengths, lp,
             _packed(res.emitted_tokens, res.num_emitted, res.num_accepted, lengths))
@@ -337,8 +350,6 @@ class ModelRunner:
     def __init__(self, target, drafter, *, max_batch: int, num_pages: int, page_size: int, max_pages: int,
                  chunk_sizes: tuple[int, ...] = (32, 128), kernels: str = "auto", mesh=None,
                  kv_dtype: str = "auto"):
-        if drafter is not None and drafter.config.kind == "eagle3":
-            raise ValueError("the paged round supports block drafters (dspark, dflash), not eagle3")
         kcfg = kernels_lib.KernelConfig.parse(kernels)
         if kcfg.pallas("attention") and jax.default_backend() == "gpu" and page_size % 16:
             raise ValueError(f"page_size={page_size}: the GPU attention kernel reads pages in blocks of 16 "
@@ -378,7 +389,7 @@ class ModelRunner:
                                     page_size=page_size, head_dim=dc.head_dim, dtype=DTYPES[self.kv_dtype],
                                     sharding=paged_sharding(mesh, dc.num_kv_heads) if mesh is not None
                                     else self._placement,
-                                    feature_dim=dc.hidden_size if dc.anchor_feature else 0,
+                                    feature_dim=dc.hidden_size if dc.anchor_feature or dc.kind == "eagle3" else 0,
                                     feature_sharding=self._placement)  # replicated: one small pool
         if mesh is not None:
             from dspark_jax.sharding import shard_params

@@ -137,7 +137,7 @@ def runner_rounds_against_reference(hf, target, drafter, prompts, rounds: int, a
     return {"accepted": accepted, "max_err": max_err}
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
 def test_paged_round_drafts_equal_the_naive_drafter(tiny_hf_targets, distilled_drafter, kind):
     """The round `generate` and the serving engine run: the same three ragged rows and distilled drafters."""
     hf, target = tiny_hf_targets["qwen3"]

@@ -95,3 +95,57 @@ def test_paged_block_pass_equals_the_dense_one(tmp_path, anchor_feature):
     paged = drafter_block_hidden_paged(model, head, kv, tables, n, tokens[jnp.arange(B), n])
     np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), atol=2e-5)
     assert (kv.feat is not None) == anchor_feature
+
+
+@pytest.mark.parametrize("eagle_layer", ["fused", "concat"])
+def test_paged_eagle_draft_equals_the_dense_one(tmp_path, eagle_layer):
+    """EAGLE-3 over pages: its context written flat into shuffled pages in two passes (the second pass's first
+    token of each row reads f_{p−1} back from the feature pool, as a verification pass does), then the L
+    autoregressive steps of `eagle_step_paged`, equal the dense draft (`drafter._draft_eagle` over
+    `write_prompt`'s cache): the same tokens and draft probabilities at T = 1, rows of different lengths."""
+    import jax
+    from conftest import make_hf_model, target_from_hf
+    from flax import nnx
+
+    import dspark_jax
+    from dspark_jax.drafter import _draft_eagle, draft_eagle
+    from dspark_jax.drafter_model import TargetHead
+    from dspark_jax.keys import row_key_data
+    from dspark_jax.paged import PagedKV, drafter_write_flat, eagle_step_paged, last_context_entry
+
+    target = target_from_hf(make_hf_model("llama", tied=True), tmp_path)
+    d = dspark_jax.init_drafter(target, kind="eagle3", block_size=4, num_layers=1, seed=1, eagle_layer=eagle_layer)
+    flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(d.params))
+    key = jax.random.key(5)
+    for i, (k, v) in enumerate(sorted(flat.items())):
+        flat[k] = v + 0.05 * jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype)
+    nnx.replace_by_pure_dict(d.params, nnx.traversals.unflatten_mapping(flat))
+    model, head, cfg = d.module(), TargetHead.from_params(target.params, True), d.config
+    rng = np.random.default_rng(0)
+    B, T, ps, M = 3, 30, 4, 8
+    tokens = jnp.asarray(rng.integers(3, 128, size=(B, T)), jnp.int32)
+    n = jnp.asarray([29, 7, 16], jnp.int32)  # committed lengths; the anchor sits at position n
+    anchor = tokens[jnp.arange(B), n]
+    _, _, feats = target.forward(tokens, target.init_cache(B, T), hidden_layers=cfg.target_layers,
+                                 compute_logits=False)
+    ones = jnp.ones((B,), jnp.float32)
+    sampling = (ones, jnp.zeros((B,), jnp.int32), ones)  # T = 1, no filtering
+    keys = jax.vmap(jax.random.wrap_key_data)(jnp.asarray(row_key_data(3, B)))
+    dense = _draft_eagle(model, head, model.write_prompt(model.init_cache(B, T), head, tokens, feats, n), anchor,
+                         keys, *sampling)
+    P = B * M + 2
+    tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
+    kv = PagedKV.init(num_layers=1, num_pages=P, num_kv_heads=cfg.num_kv_heads, page_size=ps,
+                      head_dim=cfg.head_dim, feature_dim=cfg.hidden_size)
+    slot = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
+    pos = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
+    split = jnp.asarray([5, 3, 9], jnp.int32)[slot]  # the first pass covers positions < split, the second the rest
+    for first_pass in (True, False):
+        valid = (pos < n[slot]) & ((pos < split) if first_pass else (pos >= split))
+        first = pos == (0 if first_pass else split)
+        kv = drafter_write_flat(model, kv, feats.reshape(B * T, -1), slot, pos, valid, tables,
+                                tokens=tokens.reshape(-1), first=first, embed=head.embed)
+    step, extra = eagle_step_paged(model, head, kv, tables, n)
+    paged = draft_eagle(model, head, step, anchor, last_context_entry(kv, tables, n), extra, keys, *sampling)
+    np.testing.assert_array_equal(np.asarray(paged[0]), np.asarray(dense[0]))
+    np.testing.assert_allclose(np.asarray(paged[1]), np.asarray(dense[1]), atol=2e-5)
