@@ -154,11 +154,14 @@ class EngineCore:
         self.sps = sps
         self._token_tables: dict = {}
 
-    def _sps_tokens(self, bb: int, context: int) -> np.ndarray:
-        """Per-token SPS table for this batch bucket at the batch's longest context (cached per 64 positions)."""
+    def _sps_tokens(self, bb: int, context: int) -> tuple[np.ndarray, float | None]:
+        """(per-token SPS table, plain steps/s or None) for this batch bucket at the batch's longest context,
+        both read at the same context (the start of its 64-position window, cached): priced at two contexts, a
+        plain step and the full step it is a part of could trade places on a tie."""
         key = (bb, context // 64)
         if key not in self._token_tables:
-            self._token_tables[key] = self.sps.token_table(bb, context, self.capacities)
+            at = key[1] * 64
+            self._token_tables[key] = (self.sps.token_table(bb, at, self.capacities), self.sps.plain_at(bb, at))
         return self._token_tables[key]
 
     # ---- thread-safe API -------------------------------------------------------------------------------------
@@ -405,7 +408,7 @@ class EngineCore:
 
     def _plan(self, active, R: int, Bb: int, context: int, conf=None) -> _Plan:
         """The scheduler's choice for a round of R rows at the batch's longest `context`."""
-        sps = self._sps_tokens(Bb, context)
+        sps, plain_sps = self._sps_tokens(Bb, context)
         if self.spec.kind == "dspark" and not self.sps_ready:  # the safe policy until the table is profiled
             return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
         if self.spec.kind == "dspark":
@@ -413,7 +416,9 @@ class EngineCore:
             raw = self._stale_confidence(self.running, Bb)
             stale = None if raw is None else self._calibration.apply(raw)  # priced by what drafts deliver
             budget = min(dspark_capacity(stale, active, self.L, sps), self.capacities[-1] - R)
-            if self._plain_pays(stale, R, budget, sps, self.sps.plain_at(Bb, context)):
+            if self._plain_pays(stale, R, budget, sps, plain_sps):
+                return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
+            if budget == 0 and not self._probed:  # no draft token pays: a draft pass would verify none of them
                 return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
             if self._probed:  # a probe is for its draft pass (fresh confidences): it verifies no draft token, as
                 budget = 0  # the cost model has just priced verifying them below a plain step

@@ -458,7 +458,8 @@ def test_pipelined_dspark_reads_confidences_two_passes_old():
     both = [t for t, rec in enumerate(runner.passes) if rec.R == 2 and not rec.plain]
     assert core.stats["chained_steps_total"] > 5
     for t in both:
-        if t >= 2 and runner.passes[t - 2].R == 2 and runner.passes[t - 1].R == 2 and runner.passes[t].budget:
+        if (t >= 2 and runner.passes[t - 2].R == 2 and not runner.passes[t - 2].plain  # (a plain pass drafts
+                and runner.passes[t - 1].R == 2 and runner.passes[t].budget):  # nothing: no confidences)
             assert runner.passes[t].budget == 2 * ((t - 2) % 4), (t, runner.passes[t].budget)
 
 
@@ -787,14 +788,17 @@ def test_dspark_budget_uses_confidence_from_two_passes_earlier():
     passes = runner.passes[:8]
     assert [rec.R for rec in passes] == [1, 2, 2, 2, 2, 2, 2, 2]
     # t:        0  1  2      3      4      5      6      7
-    # K from:   -  -  (0,·0) (1,3)  (2,4)  (3,0)  (4,1)  (0,2)    ← pass t−2's counts (current ones differ);
-    #                 ·0: r2 was not in pass 0, whose mean row (r1's alone) has 0 candidates
-    assert [rec.budget for rec in passes] == [4, 8, 0, 4, 6, 3, 5, 2]
+    # K from:   -  -  (0,·0) (1,3)  (1,3)  (3,0)  (4,1)  (0,2)    ← the newest drafting pass ≤ t−2's counts
+    #                 ·0: r2 was not in pass 0, whose mean row (r1's alone) has 0 candidates: K = 0, so pass 2
+    #                 is a plain step (no draft pass, no confidences) and pass 4 reads pass 1's
+    assert [rec.budget for rec in passes] == [4, 8, None, 4, 4, 3, 5, 2]
+    assert [rec.plain for rec in passes] == [False, False, True] + [False] * 5
     # ℓ = top-K of the *current* survival, slot 0 first on ties: min(K, c0), then min(K − ℓ0, c1).
     assert [(rec.ell[1], rec.ell.get(2, 0)) for rec in passes] == [
-        (0, 0), (1, 3), (0, 0), (3, 0), (4, 1), (0, 2), (1, 3), (2, 0)]
+        (0, 0), (1, 3), (0, 0), (3, 0), (4, 0), (0, 2), (1, 3), (2, 0)]
     assert [rec.capacity for rec in passes] == [8, 10, 2, 8, 8, 8, 8, 4]  # smallest bucket ≥ R + K
-    assert all(not rec.host_drafted and rec.want_confidence and rec.lengths_arg is None for rec in passes)
+    assert all(not rec.host_drafted and rec.want_confidence and rec.lengths_arg is None
+               for rec in passes if not rec.plain)
     drain(core, out)
     for rid, prompt in (("r1", [10, 11]), ("r2", [20, 21])):
         assert out.tokens(rid) == continuation(prompt, 50)[0]
