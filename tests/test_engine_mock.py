@@ -30,6 +30,8 @@ import pytest
 
 from dspark_jax.runner import StepBatch, StepResult, pick, pow2_buckets
 from serve.engine import Engine, EngineCore, capacity_buckets
+from serve.runner_api import Runner
+from serve.scheduler import Scheduler
 from serve.types import EngineRequest, SamplingParams
 
 V = 1000
@@ -90,8 +92,11 @@ class Pass:
 
 
 class MockRunner:
-    """Exactly the runner surface EngineCore uses (dspark_jax/runner.py's host API), in numpy. Rows of a step
-    are the running requests compacted into a batch bucket (powers of two up to B)."""
+    """The runner interface EngineCore drives (serve/runner_api.py `Runner`, which dspark_jax/runner.py's
+    ModelRunner satisfies), in numpy. Rows of a step are the running requests compacted into a batch bucket
+    (powers of two up to B). A round runs when dispatched (so a round chained before the host read the previous
+    one writes the cache first); `advance` builds the next round's batch from the previous round's outputs
+    alone, as the device does."""
 
     def __init__(self, *, B, L, num_pages, page_size, max_pages, capacities, chunk_sizes, accept=None, conf=None,
                  confidence_head=True, fail_at_pass=None):
@@ -155,7 +160,8 @@ class MockRunner:
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 
     def device_batch(self, b: StepBatch) -> dict:
-        return {"host": b}
+        return {"host": dataclasses.replace(b, lengths=b.lengths.copy(), anchors=b.anchors.copy(),
+                                            block_tables=b.block_tables.copy(), rounds=b.rounds.copy())}
 
     def draft(self, b: StepBatch, dev):
         """(draft [Bb, L], q (unused), confidence [Bb, L]) for the pass about to run."""
@@ -221,15 +227,6 @@ class MockRunner:
         return StepResult(emitted[:R], num_emitted[:R], num_accepted[:R], ell[:R],
                           None if confidence is None else confidence[:R], capacity)
 
-
-class PipelinedMockRunner(MockRunner):
-    """The mock with the pipelining surface of dspark_jax/runner.py (`dispatch`, `fetch`, `advance`): a round
-    runs when dispatched (so a round chained before the host read the previous one writes the cache first);
-    `advance` builds the next round's batch from the previous round's outputs alone, as the device does."""
-
-    def device_batch(self, b: StepBatch) -> dict:
-        return {"host": dataclasses.replace(b, lengths=b.lengths.copy(), anchors=b.anchors.copy(),
-                                            block_tables=b.block_tables.copy(), rounds=b.rounds.copy())}
 
     def dispatch(self, dev, *, capacity, lengths=None, budget=None, policy=None, drafts=None):
         assert policy is None
@@ -301,11 +298,12 @@ def make_core(scheduler, *, B=2, L=4, page_size=4, max_model_len=40, num_pages=N
               capacities=None, eos=(), sps=None, pipelined=False, **runner_kw):
     max_pages = -(-(max_model_len + L + 1) // page_size)
     num_pages = num_pages or B * max_pages
-    kind = PipelinedMockRunner if pipelined else MockRunner
-    runner = kind(B=B, L=L, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+    runner = MockRunner(B=B, L=L, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
                   capacities=capacities or capacity_buckets(B, L), chunk_sizes=chunk_sizes, **runner_kw)
-    core = EngineCore(runner, scheduler=scheduler, max_batch=B, num_pages=num_pages, page_size=page_size,
-                      max_model_len=max_model_len, eos_token_ids=eos, sps=sps)
+    assert isinstance(runner, Runner)  # the interface the real runner has
+    core = EngineCore(runner, scheduler=scheduler, max_model_len=max_model_len, eos_token_ids=eos, sps=sps,
+                      pipelined=pipelined)
+    assert isinstance(core.scheduler, Scheduler)
     return core, runner
 
 
@@ -821,8 +819,7 @@ def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
     beats (R + Σa) · 1, so the engine runs plain steps (no draft pass, ℓ = 0) once stale confidences exist,
     drafting again after PROBE_EVERY plain steps to refresh them, then after twice as many while drafts still
     do not pay; outputs stay exact. With the plain step as slow as a speculative one, it always drafts."""
-    from serve.engine import PROBE_EVERY
-    from serve.scheduler import SpsTable
+    from serve.scheduler import PROBE_EVERY, SpsTable
 
     def run(plain_sps):
         core, runner = make_core("dspark", B=2, L=4, max_model_len=96,
@@ -877,7 +874,7 @@ def test_dspark_prices_drafts_by_what_they_deliver(pipelined):
     assert max(spec) > 20, spec  # the re-test once the evidence has decayed (red without `tick`)
     # The evidence is exactly the speculative passes after the first two (no stale confidences yet): probes
     # (budget 0) and plain steps add nothing. 4 positions at survival 0.9^k each, nothing accepted.
-    cal = core._calibration
+    cal = core.scheduler.calibration
     assert cal.accepted == 0 and 0 < cal.predicted <= 3.1 * (len(spec) - 2) + 1e-6, (cal.predicted, spec)
     assert core.metrics()["draft_gain_ratio"] < 0.5
     core, spec = run(None)  # every draft accepted: ρ stays ≥ 1 and every step speculates
@@ -905,8 +902,7 @@ def test_dspark_never_drafts_for_an_empty_budget():
     """Confidences of 0 give the capacity search K = 0, and a plain step priced like the full step it is a part
     of (the table a noisy profile can give): the tie takes the plain step. Before, Θ_plain had to beat Θ_0
     strictly, so every step drafted a block and verified none of it (session 11: 91% of c = 1 steps)."""
-    from serve.engine import PROBE_EVERY
-    from serve.scheduler import SpsTable
+    from serve.scheduler import PROBE_EVERY, SpsTable
 
     core, runner = make_core("dspark", B=2, L=4, max_model_len=96,
                              conf=lambda t, s, seed, rnd: np.zeros(4, np.float32))
