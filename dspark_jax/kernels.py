@@ -1,8 +1,9 @@
 """The one door from `dspark_jax` to `pallas_kernels`: picks the Pallas kernel or its plain-jnp path.
 
 Modes (a static argument, never an environment variable), per kernel or one string for both:
-  "auto"      — on CPU the jnp path (Pallas only interprets there, slowly); on GPU the path measured faster
-                there; on TPU (not measured yet) the kernels (`AUTO_PALLAS`);
+  "auto"      — the path measured faster on this backend (`AUTO_PALLAS`): on CPU the jnp path (Pallas only
+                interprets there, slowly); on GPU the attention kernel and the jnp sampler; on TPU the jnp
+                paths until a kernel is measured faster there (scripts/bench_pallas_*.py);
   "pallas"    — force the kernel (on CPU it runs in interpret mode: for tests);
   "reference" — force the jnp path.
 """
@@ -49,9 +50,13 @@ class KernelConfig:
 # Where "auto" takes the Pallas kernel, per kernel and backend: where it was measured faster than the jnp path.
 # On an H200 (2026-12-04, jax 0.11.2, scripts/bench_pallas_*.py): the ragged attention kernel ran 1.2-3.0×
 # the reference at 16-64 requests and 2k-8k context, the Markov sampler 0.76-0.97× its fused-XLA reference
-# (V = 151936, R = 256, B = 1-64, two runs), so "auto" keeps the attention kernel on GPU and the jnp sampler. TPU: not
-# measured yet; the kernels stay on.
-AUTO_PALLAS = {"attention": ("gpu", "tpu"), "markov": ("tpu",)}
+# (V = 151936, R = 256, B = 1-64, two runs), so "auto" keeps the attention kernel on GPU and the jnp sampler. TPU:
+# nothing measured yet, so plain jnp there (a kernel joins this table once measured faster on a TPU; "pallas"
+# forces it meanwhile). jax's own TPU ragged paged attention (jax.experimental.pallas.ops.tpu.
+# ragged_paged_attention) does not fit our pools: it reads one layer's K and V interleaved in one
+# [pages, page_size, 2·K, H] array, where the serving pools are separate stacked [layers, pages, K, page_size, H]
+# arrays indexed by layer inside the scan; adapting them would copy a layer's whole pool every call.
+AUTO_PALLAS = {"attention": ("gpu",), "markov": ()}
 
 
 def use_pallas(mode: str, *, kernel: str) -> bool:

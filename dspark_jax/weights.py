@@ -190,7 +190,9 @@ def build_decoder(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.fl
         arr = ours.pop(path)
         if tuple(arr.shape) != tuple(spec.shape):
             raise ValueError(f"{path}: checkpoint shape {arr.shape} != expected {spec.shape}")
-        filled[key] = jax.device_put(np.asarray(arr).astype(np.dtype(jnp.dtype(dtype)), copy=False), shardings[key])
+        # a copy the devices own (jax.device_put may alias a numpy array on CPU: here, possibly the caller's)
+        filled[key] = jnp.array(np.asarray(arr).astype(np.dtype(jnp.dtype(dtype)), copy=False), copy=True,
+                                device=shardings[key])
     nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(filled))
     return nnx.merge(graphdef, state)
 

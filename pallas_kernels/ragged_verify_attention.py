@@ -35,10 +35,12 @@ Two drivers share one kernel step (`_online_softmax_step`):
   (`lax.fori_loop`) over its tile's KV blocks, reading the page id from block_tables and loading
   k_pages[page, kv_head, offset : offset + block_kv] directly — Triton programs cannot carry an accumulator
   across grid steps, so the reduction has to be a loop inside one program.
-- "tpu" (Mosaic): grid (n_tiles, K, max_kv_blocks) with the tile table and block_tables *scalar-prefetched*
+- "tpu" (Mosaic): grid (n_tiles, K, kv_blocks_in_use) with the tile table and block_tables *scalar-prefetched*
   (`pltpu.PrefetchScalarGridSpec`) into SMEM; the K/V BlockSpec index maps look the page up, so Mosaic's
-  pipeline double-buffers page DMAs; the KV axis is "arbitrary" with m / l / acc in VMEM scratch. Steps past a
-  tile's last block re-point to that block (same index → no DMA) and skip compute.
+  pipeline double-buffers page DMAs; the KV axis is "arbitrary" with m / l / acc in VMEM scratch. Its extent is
+  a *dynamic* grid bound: the longest tile's KV blocks this call, not what max_pages allows, so a short batch in
+  a long-context bucket runs few steps. Steps past a shorter tile's last block re-point to that block (same
+  index → no DMA) and skip compute.
 Not done (future work): splitting one tile's KV range across programs (flash-decoding's split-K) for few
 requests with very long contexts, and several pages per step for pages smaller than Triton's 16-wide dot.
 
@@ -194,7 +196,11 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
         from jax.experimental.pallas import tpu as pltpu
 
         blocks_per_page = page_size // bkv
-        n_blocks = block_tables.shape[1] * blocks_per_page
+        n_blocks = block_tables.shape[1] * blocks_per_page  # what max_pages allows: the index maps' clamp
+        # The grid's KV axis spans the blocks in use (the longest tile's), a run-time bound: a dynamic grid
+        # dimension (Mosaic reads it from SMEM), so a bucket sized for max_pages costs no steps past the pages
+        # actually held. At least one step, so that every tile's output is written.
+        in_use = jnp.clip((jnp.max(n_keys) + bkv - 1) // bkv, 1, n_blocks).astype(jnp.int32)
 
         def kv_map(t, h, j, req, pos0, n_keys, layer, bt):
             # Past the tile's last block: repeat it (same block index → Mosaic skips the DMA; compute is skipped).
@@ -206,7 +212,7 @@ def _ragged_verify_attention(q, k_pages, v_pages, block_tables, context_lens, qu
         out = pl.pallas_call(
             functools.partial(_grid_kernel, **kernel_kw),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=5, grid=(n_tiles, K, n_blocks), in_specs=[tile_spec, kv_spec, kv_spec],
+                num_scalar_prefetch=5, grid=(n_tiles, K, in_use), in_specs=[tile_spec, kv_spec, kv_spec],
                 out_specs=tile_spec,
                 scratch_shapes=[pltpu.VMEM((M, 1), jnp.float32), pltpu.VMEM((M, 1), jnp.float32),
                                 pltpu.VMEM((M, H), jnp.float32)]),

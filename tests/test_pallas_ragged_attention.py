@@ -270,6 +270,10 @@ def test_lowers_for_tpu_mosaic(case):
     *shape, opts = case
     text = _lower("tpu", "TPU v5 lite", *shape, backend="tpu", **opts)
     assert text.count("tpu_custom_call") == 1
+    # Operands: the grid's dynamic KV extent (the blocks in use, not max_pages'), the 5 scalar-prefetched
+    # tables, the q tiles and the K and V pools.
+    call = next(line for line in text.splitlines() if "tpu_custom_call(" in line)
+    assert len(call.split("tpu_custom_call(")[1].split(")")[0].split(", ")) == 9, call[:200]
 
 
 @pytest.mark.parametrize("platform,kind,backend,marker", [("cuda", "NVIDIA H200", "gpu", "xla.gpu.triton"),

@@ -72,8 +72,16 @@ SCRIPT = textwrap.dedent("""
     again = nnx.to_pure_dict(shard_params(t.params, mesh))  # what the serving runner does: must not copy
     same = all(a is b for a, b in zip(jax.tree.leaves(pure), jax.tree.leaves(again), strict=True))
     meshed = np.array(t.logits(ids))
+    # A GGUF target is read whole, then placed by the same rules (weights.build_decoder(mesh=...)): equal arrays,
+    # equal layout.
+    from dspark_jax.config import ModelConfig
+    from dspark_jax.weights import build_decoder, read_hf_dir
+    config, tensors = read_hf_dir(d)
+    whole = jax.tree.leaves(nnx.state(build_decoder(ModelConfig.from_hf(config), tensors, mesh=mesh)))
+    as_gguf = all(x.sharding == y.sharding and np.array_equal(np.asarray(x), np.asarray(y))
+                  for x, y in zip(whole, jax.tree.leaves(pure), strict=True))
     json.dump(dict(model=sum(sizes), largest=max(sizes), host_peak=host_peak, per_device=list(per_device.values()),
-                   laid_out=laid, no_copy=same, shards=len(files),
+                   laid_out=laid, no_copy=same, as_gguf=as_gguf, shards=len(files),
                    max_diff=float(np.abs(meshed - single).max())), open({out!r}, "w"))
 """)
 
@@ -86,7 +94,7 @@ def test_tensor_parallel_load_streams_shards(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(out.read_text())
     print(facts)  # pytest -s shows the measured numbers
-    assert facts["laid_out"] and facts["no_copy"], facts
+    assert facts["laid_out"] and facts["no_copy"] and facts["as_gguf"], facts
     assert max(facts["per_device"]) <= facts["model"] / 8 * 1.1, facts
     assert facts["host_peak"] <= 2 * facts["largest"] * 1.1, facts
     assert facts["max_diff"] <= 1e-5, facts

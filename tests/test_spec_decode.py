@@ -311,11 +311,11 @@ def test_sampling_with_a_fixed_seed_is_reproducible(tiny_target):
 
 
 @pytest.mark.parametrize("backend,attention,markov", [("cpu", False, False), ("gpu", True, False),
-                                                      ("tpu", True, True)])
+                                                      ("tpu", False, False)])
 def test_auto_kernels_follow_the_measured_table(monkeypatch, backend, attention, markov):
     """"auto" takes a Pallas kernel only where it was measured faster than the jnp path (kernels.AUTO_PALLAS):
-    on an H200 the attention kernel ran 1.2-3.0× its reference and the Markov sampler 0.76-0.97×. The explicit
-    modes are not second-guessed."""
+    on an H200 the attention kernel ran 1.2-3.0× its reference and the Markov sampler 0.76-0.97×; on TPU
+    nothing is measured yet, so plain jnp. The explicit modes are not second-guessed."""
     import dspark_jax.kernels as kernels_lib
 
     monkeypatch.setattr(kernels_lib.jax, "default_backend", lambda: backend)

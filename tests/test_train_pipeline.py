@@ -379,7 +379,8 @@ def test_target_training_forward_is_the_plain_forward_without_the_verification_k
                                                                                       monkeypatch):
     """train/distill.py's target_features: the frozen target's prefill inside the train step gives the plain (cached)
     forward's final hidden states and layer features, and — even where "auto" would pick the Pallas verification
-    kernel for Decoder.__call__ (a TPU backend, faked here for tracing only) — its jaxpr holds no pallas_call."""
+    kernel for Decoder.__call__ (a TPU backend on which the kernel had been measured faster, faked here for
+    tracing only) — its jaxpr holds no pallas_call."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -404,6 +405,7 @@ def test_target_training_forward_is_the_plain_forward_without_the_verification_k
     loss = lambda dp, tp: _loss(dp, tp, batch, dgraph=drafter.graphdef, tgraph=target.graphdef,  # noqa: E731
                                 tied=tied, weights=LossWeights())
     monkeypatch.setattr(kernels.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setitem(kernels.AUTO_PALLAS, "attention", ("tpu",))
     assert kernels.use_pallas("auto", kernel="attention")
     plain = jax.make_jaxpr(lambda p: apply(target.graphdef, p, tokens, target.init_cache(3, 40)))(target.params)
     assert "pallas_call" in str(plain)  # the check is live: the plain forward would take the kernel here
