@@ -77,6 +77,15 @@ def runners(tiny):
     return {"spec": spec.core.runner, "plain": plain.core.runner}
 
 
+def test_the_model_runner_has_the_interface_the_engine_drives(runners):
+    """serve/runner_api.py's `Runner` is what EngineCore calls; dspark_jax/runner.py's ModelRunner has all of it
+    (the engine tests' mock is checked against the same protocol), so the engine has no branch for either."""
+    from serve.runner_api import Runner
+
+    for runner in runners.values():
+        assert isinstance(runner, Runner)
+
+
 def test_runner_serves_the_cpu_layout_and_matches_the_einsum_layout(tiny, runners):
     """On XLA:CPU the runner serves the target with its dense weights output-major (Target.serving_split), and
     its greedy tokens equal a plain greedy loop over the target's own (einsum-layout) full forward."""
