@@ -464,7 +464,8 @@ def test_sps_table_is_profiled_smoothed_saved_and_reloaded(tiny, runners, tmp_pa
         assert all(v >= w for (b, c, x), w in table.entries.items() if b == bb and x == ctx and c > cap)
         assert all(v >= w for (b, c, x), w in table.entries.items() if b == bb and c == cap and x > ctx)
     again = create_engine(runner=runner, scheduler="dspark", max_model_len=80, progress=False, sps_table=path)
-    assert again.core.sps.entries == table.entries and again.core.sps.plain == table.plain
+    sps = again.core.scheduler.sps
+    assert sps.entries == table.entries and sps.plain == table.plain
     again.stop()
     with pytest.raises(ValueError, match="not an SPS table"):
         create_engine(runner=runner, scheduler="dspark", max_model_len=80, progress=False,
