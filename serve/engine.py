@@ -70,6 +70,7 @@ class _Req:
     admitted_at: int = 0
     done: bool = False
     prompt_logprobs: list | None = None  # TokenLogprob per prompt position prefilled so far (when asked)
+    stops: frozenset | None = None  # token ids that end it (its stop ids, and EOS unless ignored; `_take`)
 
     @property
     def rid(self) -> str:
@@ -226,10 +227,16 @@ class EngineCore:
             self.by_id.pop(r.rid, None)
         self._emit(r, tokens, reason, error, logprobs, status, prompt_logprobs)
 
-    def _take(self, r: _Req, tokens, logprobs=None) -> tuple[list[int], list | None, str | None]:
+    def _take(self, r: _Req, tokens: list[int], logprobs=None) -> tuple[list[int], list | None, str | None]:
         """Appends emitted tokens up to a stop; returns (tokens to stream, their logprobs, finish reason)."""
         p = r.req.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
+        if r.stops is None:
+            r.stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos))
+        stops = r.stops
+        room = min(p.max_tokens, self.max_model_len - len(r.req.prompt_ids)) - len(r.generated)
+        if len(tokens) < room and stops.isdisjoint(tokens):  # the common case: no stop, no limit reached
+            r.generated += tokens
+            return tokens, (list(logprobs) if logprobs is not None else None), None
         out, lps = [], ([] if p.logprobs is not None else None)
         for i, t in enumerate(tokens):
             t = int(t)
@@ -321,22 +328,29 @@ class EngineCore:
                 return []
 
     def _step_batch(self, running):
-        """The running requests compacted into rows 0..R−1 of the smallest batch bucket that holds them."""
+        """The running requests compacted into rows 0..R−1 of the smallest batch bucket that holds them (one
+        array assignment per field: a per-row loop of scalar stores cost the host ~10 µs a row)."""
         b = self.runner.empty_batch(len(running))
+        R = len(running)
         b.block_tables[:] = self._block_tables(running, b.lengths.shape[0])
-        for i, r in enumerate(running):
-            p = r.req.params
-            b.lengths[i], b.anchors[i] = r.committed, r.anchor
-            b.temperature[i], b.top_k[i], b.top_p[i] = p.temperature, p.top_k, p.top_p
-            b.keys[i], b.rounds[i] = r.key, r.rounds + 1
-            b.logprobs[i] = p.logprobs is not None
+        params = [r.req.params for r in running]
+        b.lengths[:R] = [r.committed for r in running]
+        b.anchors[:R] = [r.anchor for r in running]
+        b.temperature[:R] = [p.temperature for p in params]
+        b.top_k[:R] = [p.top_k for p in params]
+        b.top_p[:R] = [p.top_p for p in params]
+        b.keys[:R] = np.stack([r.key for r in running])
+        b.rounds[:R] = [r.rounds + 1 for r in running]
+        b.logprobs[:R] = [p.logprobs is not None for p in params]
         return b
 
     def _block_tables(self, running, Bb: int) -> np.ndarray:
         """int32 [Bb, max_pages]: the running requests' page tables in rows 0..R−1, padding rows on no page."""
         tables = np.full((Bb, self.runner.max_pages), self.pages.num_pages, np.int32)
+        owned = self.pages.owned
         for i, r in enumerate(running):
-            tables[i] = self.pages.table_row(r.rid, self.pages.num_pages)
+            pages = owned.get(r.rid, ())
+            tables[i, : len(pages)] = pages
         return tables
 
     def _runner_args(self, plan: Plan, Bb: int) -> dict:
@@ -429,21 +443,23 @@ class EngineCore:
         self.stats["verify_tokens_total"] += int(R + res.lengths[:R].sum())
         self.stats["capacity_tokens_total"] += res.capacity
         self.stats["row_steps_total"] += int(live.sum())
+        self.stats["emitted_total"] += int(res.num_emitted[:R][live].sum())
         if self.L:
             tried, took = acceptance_counts(res.lengths[:R], res.num_accepted[:R], live, self.L)
             self.attempts += tried
             self.accepts += took
+        # Python ints once for the whole round (numpy scalars row by row cost the host more than the commit).
+        emitted_rows, num_emitted, num_accepted = (res.emitted[:R].tolist(), res.num_emitted[:R].tolist(),
+                                                   res.num_accepted[:R].tolist())
         for i, r in enumerate(running):
             if r.done:
                 continue
-            m = int(res.num_accepted[i])
-            ne = int(res.num_emitted[i])
-            emitted = [int(t) for t in res.emitted[i, :ne]]
+            m, ne = num_accepted[i], num_emitted[i]
+            emitted = emitted_rows[i][:ne]
             k = r.req.params.logprobs
             lps = None
             if k is not None and res.logprobs is not None:
                 lps = [_token_logprob(emitted[j], res.logprobs, (i, j), k) for j in range(ne)]
-            self.stats["emitted_total"] += len(emitted)
             r.rounds += 1
             r.committed += m + 1
             r.anchor = emitted[-1]

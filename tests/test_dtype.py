@@ -208,16 +208,19 @@ def test_serve_cli_parses_dtype_flags_and_passes_them_to_the_engine(capsys, monk
             err = capsys.readouterr().err
             assert e.value.code == 2 and err.count("\n") == 1, err
             assert err.startswith(f"error: argument {flag}: invalid choice: '{bad}'") and "bfloat16" in err, err
+    from serve.engine import EngineConfig
+
     seen = {}
 
-    def create_engine(**kw):  # records what main passes, then stops it as a bad model spec would
-        seen.update(kw)
+    def create_engine(config, **kw):  # records what main passes, then stops it as a bad model spec would
+        seen["config"] = config
         raise ValueError("stop here")
 
-    monkeypatch.setitem(sys.modules, "serve.engine", types.SimpleNamespace(create_engine=create_engine))
+    monkeypatch.setitem(sys.modules, "serve.engine", types.SimpleNamespace(create_engine=create_engine,
+                                                                           EngineConfig=EngineConfig))
     assert cli.main(["--dtype", "bfloat16", "--kv-dtype", "float32", "--compile-cache", "none",
                      "--log-level", "warning"]) == 2
-    assert (seen["dtype"], seen["kv_dtype"]) == ("bfloat16", "float32")
+    assert (seen["config"].dtype, seen["config"].kv_dtype) == ("bfloat16", "float32")
 
 
 def test_generate_cli_parses_dtype_flags(capsys):

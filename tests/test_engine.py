@@ -77,6 +77,15 @@ def runners(tiny):
     return {"spec": spec.core.runner, "plain": plain.core.runner}
 
 
+def test_the_model_runner_has_the_interface_the_engine_drives(runners):
+    """serve/runner_api.py's `Runner` is what EngineCore calls; dspark_jax/runner.py's ModelRunner has all of it
+    (the engine tests' mock is checked against the same protocol), so the engine has no branch for either."""
+    from serve.runner_api import Runner
+
+    for runner in runners.values():
+        assert isinstance(runner, Runner)
+
+
 def test_runner_serves_the_cpu_layout_and_matches_the_einsum_layout(tiny, runners):
     """On XLA:CPU the runner serves the target with its dense weights output-major (Target.serving_split), and
     its greedy tokens equal a plain greedy loop over the target's own (einsum-layout) full forward."""
@@ -455,7 +464,8 @@ def test_sps_table_is_profiled_smoothed_saved_and_reloaded(tiny, runners, tmp_pa
         assert all(v >= w for (b, c, x), w in table.entries.items() if b == bb and x == ctx and c > cap)
         assert all(v >= w for (b, c, x), w in table.entries.items() if b == bb and c == cap and x > ctx)
     again = create_engine(runner=runner, scheduler="dspark", max_model_len=80, progress=False, sps_table=path)
-    assert again.core.sps.entries == table.entries and again.core.sps.plain == table.plain
+    sps = again.core.scheduler.sps
+    assert sps.entries == table.entries and sps.plain == table.plain
     again.stop()
     with pytest.raises(ValueError, match="not an SPS table"):
         create_engine(runner=runner, scheduler="dspark", max_model_len=80, progress=False,

@@ -557,10 +557,12 @@ def test_cli_help_and_bad_flags(capsys):
 
 
 def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
+    from serve.engine import EngineConfig
+
     calls = {}
 
-    def create_engine(**kw):
-        calls["kw"] = kw
+    def create_engine(config, **kw):
+        calls["config"], calls["kw"] = config, kw
         eng = FakeEngine()
         eng.tokenizer = make_tokenizer()
         eng.chat_template = ChatFormatter(TEMPLATE, TokenizerAdapter(eng.tokenizer).encode)
@@ -577,15 +579,17 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
             assert r.status_code == 413
         on_ready(f"http://{host}:{port}")
 
-    monkeypatch.setitem(sys.modules, "serve.engine", types.SimpleNamespace(create_engine=create_engine))
+    monkeypatch.setitem(sys.modules, "serve.engine", types.SimpleNamespace(create_engine=create_engine,
+                                                                           EngineConfig=EngineConfig))
     monkeypatch.setattr(serve.server, "serve_forever", serve_forever)
     sps = tmp_path / "sps.json"
     assert cli.main(["--drafter", "none", "--port", "8123", "--sps-out", str(sps), "--log-level", "warning",
                      "--api-key", "k", "--max-body-bytes", "40"]) == 0
-    assert calls["kw"] == dict(target="smollm2-135m-instruct", drafter=None, scheduler=None, max_batch=16,
-                               max_model_len=None, page_size=16, num_pages=None, kernels="auto", mesh_shape=(1, 1),
-                               progress=True, sps_table=None, sps_out=str(sps), dtype="auto", kv_dtype="auto",
-                               background=True)
+    assert calls["config"] == EngineConfig(target="smollm2-135m-instruct", drafter=None, scheduler=None,
+                                           max_batch=16, max_model_len=None, page_size=16, num_pages=None,
+                                           kernels="auto", mesh_shape=(1, 1), sps_table=None, sps_out=str(sps),
+                                           dtype="auto", kv_dtype="auto", background=True)
+    assert calls["kw"] == dict(progress=True)
     assert calls["serve"][:3] == ("127.0.0.1", 8123, "warning") and "/v1/chat/completions" in calls["serve"][3]
     assert "http://127.0.0.1:8123" in capsys.readouterr().out
     assert not calls["engine"]._thread.is_alive()  # main closes the engine on the way out
