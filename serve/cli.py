@@ -198,14 +198,14 @@ def main(argv=None) -> int:
     try:
         if args.compile_cache != "none":
             enable_compile_cache(args.compile_cache)
-        from serve.engine import create_engine  # imported here: it pulls in JAX
+        from serve.engine import EngineConfig, create_engine  # imported here: it pulls in JAX
 
-        engine = create_engine(target=args.target, drafter=None if args.drafter == "none" else args.drafter,
-                               scheduler=args.scheduler, max_batch=args.max_batch, max_model_len=args.max_model_len,
-                               page_size=args.page_size, num_pages=args.num_pages, kernels=args.kernels,
-                               mesh_shape=(1, args.tensor_parallel), progress=True, sps_table=args.sps_table,
-                               sps_out=args.sps_out, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                               background=args.startup == "background")
+        config = EngineConfig(target=args.target, drafter=None if args.drafter == "none" else args.drafter,
+                              scheduler=args.scheduler, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                              page_size=args.page_size, num_pages=args.num_pages, kernels=args.kernels,
+                              mesh_shape=(1, args.tensor_parallel), sps_table=args.sps_table, sps_out=args.sps_out,
+                              dtype=args.dtype, kv_dtype=args.kv_dtype, background=args.startup == "background")
+        engine = create_engine(config, progress=True)
     except (ValueError, OSError) as e:  # bad model spec, drafter/target mismatch, sizes, unwritable --sps-out
         print(f"error: {e}", file=sys.stderr)
         return 2

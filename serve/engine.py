@@ -1,8 +1,9 @@
 """The serving engine: continuous batching with chunked prefill, paged KV, preemption and the schedulers.
 
-`EngineCore` is the host-side state machine, driven by `step()`; it talks to a runner (dspark_jax/runner.py, or a
-mock in tests) through three calls: `prefill`, `draft` and `step`. `Engine` wraps it in a background thread
-and implements the server contract (serve/types.py). One `step()`:
+`EngineCore` is the host-side state machine, driven by `step()`; it drives a runner (the `Runner` protocol of
+serve/runner_api.py: dspark_jax/runner.py, or the numpy mock in tests) and asks a scheduler (serve/scheduler.py)
+for each round's `Plan`. `Engine` wraps it in a background thread and implements the server contract
+(serve/types.py). One `step()`:
   1. aborts      — cancelled requests leave at once; their pages return to the free list.
   2. admission   — waiting requests take free slots (FIFO) when the pool holds their prompt.
   3. prefill     — one chunk (≤ the largest chunk bucket) of the oldest prefilling request: chunked prefill is
@@ -10,8 +11,9 @@ and implements the server contract (serve/types.py). One `step()`:
   4. decode      — every running request gets pages for its next block (n + L + 1 positions); when the pool is
                    short the most recently admitted running request is preempted (pages freed; it re-queues
                    first in line and, readmitted, recomputes its prompt + generated tokens). Then the scheduler
-                   sets ℓ per request (or the capacity K), the pass runs in the smallest bucket that fits, and
-                   emitted tokens are streamed, checked against stops and committed (n ← n + m + 1).
+                   plans the round (plain, probe, or speculative with ℓ per request or a capacity K), the pass
+                   runs in that bucket, and emitted tokens are streamed, checked against stops and committed
+                   (n ← n + m + 1).
 Sampling keys: request r's stream is key(seed_r) folded with its round number, so a seeded request gives the
 same tokens whatever else is in the batch.
 """
@@ -29,34 +31,15 @@ import time
 import numpy as np
 
 from dspark_jax.keys import request_key_data
-from dspark_jax.scheduling import survival_host
+from dspark_jax.policy import Policy
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
-from serve.scheduler import (
-    GainCalibration,
-    SchedulerSpec,
-    SpsTable,
-    dspark_capacity,
-    host_lengths,
-    pick_bucket,
-    warm_scheduler,
-)
+from serve.runner_api import Runner
+from serve.scheduler import Plan, RoundInfo, Scheduler, StepKind, make_scheduler, warm_scheduler
+from serve.sps_table import SpsTable
 from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, TokenLogprob
 
 log = logging.getLogger("dspark_jax.serve")
-
-
-@dataclasses.dataclass
-class _Plan:
-    """A scheduler decision: the pass capacity and exactly one of host ℓ (`lengths`), the top-K `budget`, or a
-    plain step (`drafts` = "skip"); whether the round's confidences are read back (dspark)."""
-
-    capacity: int
-    lengths: np.ndarray | None
-    budget: int | None
-    drafts: object
-    want_confidence: bool
-    predicted: float | None = None  # dspark, a step verifying drafts: Σ top-K stale survival (unscaled)
 
 
 @dataclasses.dataclass
@@ -70,7 +53,7 @@ class _Round:
     index: int
     R: int
     Bb: int
-    plan: _Plan
+    plan: Plan
     want_logprobs: bool = False
 
 
@@ -103,25 +86,37 @@ def _token_logprob(token: int, lp, idx: tuple, k: int) -> TokenLogprob:
 
 
 class EngineCore:
-    def __init__(self, runner, *, scheduler: str, max_batch: int, num_pages: int, page_size: int,
-                 max_model_len: int, eos_token_ids=(), sps: SpsTable | None = None, max_waiting: int | None = None):
+    """The engine's host state machine over a runner (sizes, pools and programs come from it).
+
+    scheduler: a policy string (`--scheduler`) or a Scheduler. sps: the scheduler's cost model (`set_sps`).
+    pipelined: chain rounds on device (the next dispatched before this one is read back); False reads every
+    round back first (diagnosis: scripts/bench_pipelining.py, scripts/bench_host.py)."""
+
+    def __init__(self, runner: Runner, *, scheduler: str | Scheduler, max_model_len: int, eos_token_ids=(),
+                 sps: SpsTable | dict | None = None, max_waiting: int | None = None, pipelined: bool = True):
         self.runner = runner
-        self.spec = SchedulerSpec.parse(scheduler)
         self.L = runner.L
-        if self.spec.needs_drafter and self.L == 0:
-            raise ValueError(f"scheduler {scheduler!r} needs a drafter")
-        if self.spec.needs_confidence and runner.drafter is not None and not runner.drafter.config.confidence:
-            raise ValueError(f"scheduler {scheduler!r} needs a confidence head; this "
+        if isinstance(scheduler, str):
+            scheduler = make_scheduler(scheduler, block_size=self.L, capacities=runner.capacities,
+                                       batch_buckets=runner.batch_buckets)
+        self.scheduler = scheduler
+        policy = scheduler.policy
+        if policy.needs_drafter and self.L == 0:
+            raise ValueError(f"scheduler {str(policy)!r} needs a drafter")
+        if policy.needs_confidence and runner.drafter is not None and not runner.drafter.config.confidence:
+            raise ValueError(f"scheduler {str(policy)!r} needs a confidence head; this "
                              f"{runner.drafter.config.kind} drafter has none")
-        self.B, self.max_model_len, self.max_waiting = max_batch, max_model_len, max_waiting
+        self.B, self.max_model_len, self.max_waiting = runner.B, max_model_len, max_waiting
         self.vocab_size = runner.target.config.vocab_size
-        self.pages = PageAllocator(num_pages, page_size, runner.max_pages)
+        num_pages = runner.num_pages
+        self.pages = PageAllocator(num_pages, runner.page_size, runner.max_pages)
         if self.pages.pages_for(max_model_len + self.L + 1) > min(num_pages, runner.max_pages):
-            raise ValueError(f"{num_pages} pages of {page_size} (max {runner.max_pages} per request) cannot hold "
-                             f"one request of max_model_len={max_model_len} plus a block of {self.L + 1}")
+            raise ValueError(f"{num_pages} pages of {runner.page_size} (max {runner.max_pages} per request) cannot "
+                             f"hold one request of max_model_len={max_model_len} plus a block of {self.L + 1}")
         self.eos = {int(e) for e in eos_token_ids}
         self.capacities = runner.capacities
-        self.set_sps(sps)
+        if sps is not None:
+            self.set_sps(sps)
         self.waiting: collections.deque[_Req] = collections.deque()
         self.prefilling: list[_Req] = []
         self.running: list[_Req] = []
@@ -129,14 +124,7 @@ class EngineCore:
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self._admit_counter = itertools.count()
-        self._conf_history: collections.deque = collections.deque(maxlen=2)  # (pass, {rid: conf [L]})
-        self._plain_run = 0  # consecutive plain steps (dspark)
-        self._probe_gap = PROBE_EVERY  # plain steps before the next probe (dspark; doubles while drafts do not pay)
-        self._probed = False  # the last step was a probe
-        self._calibration = GainCalibration()  # dspark: realized / predicted gain of its speculative steps
-        # Rounds chained on device (the next dispatched before this one is read back); False reads every round
-        # back first (diagnosis: scripts/bench_pipelining.py). The test mock runs every round synchronously.
-        self.pipelined = hasattr(runner, "dispatch")
+        self.pipelined = pipelined
         self._inflight: _Round | None = None  # a dispatched round not yet read back
         self._stepping = False
         self.stats = collections.Counter()
@@ -144,22 +132,9 @@ class EngineCore:
 
     # ---- configuration ---------------------------------------------------------------------------------------
     def set_sps(self, sps: SpsTable | dict | None) -> None:
-        """The cost model the schedulers read: an SpsTable, a {capacity: steps/s} dict (the same for every
-        batch bucket and context: tests, hand-made tables), or None (flat until profiled or loaded)."""
-        self.sps_ready = True  # False: the table is being profiled, the dspark scheduler takes plain steps until then
-        if sps is None:
-            sps = {c: 1.0 for c in self.capacities}
-        if isinstance(sps, dict):
-            sps = SpsTable({(bb, int(c), 0): float(v) for bb in self.runner.batch_buckets for c, v in sps.items()})
-        self.sps = sps
-        self._token_tables: dict = {}
-
-    def _sps_tokens(self, bb: int, context: int) -> np.ndarray:
-        """Per-token SPS table for this batch bucket at the batch's longest context (cached per 64 positions)."""
-        key = (bb, context // 64)
-        if key not in self._token_tables:
-            self._token_tables[key] = self.sps.token_table(bb, context, self.capacities)
-        return self._token_tables[key]
+        """The scheduler's cost model: an SpsTable, a {capacity: steps/s} dict (the same for every batch bucket
+        and context: tests, hand-made tables), or None (flat until profiled or loaded)."""
+        self.scheduler.set_sps(sps)
 
     # ---- thread-safe API -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> EngineRequest:
@@ -364,15 +339,29 @@ class EngineCore:
             tables[i] = self.pages.table_row(r.rid, self.pages.num_pages)
         return tables
 
-    def _dispatch(self, dev: dict, plan: _Plan):
-        return self.runner.dispatch(dev, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
-                                    drafts=plan.drafts)
+    def _runner_args(self, plan: Plan, Bb: int) -> dict:
+        """A plan in the runner's keywords (dspark_jax/runner.py `dispatch` / `step`): a plain step is
+        `drafts="skip"` with a drafter (ℓ = 0 for every row, no draft pass) and ℓ = 0 without one; a probe is a
+        top-K `budget` of 0 (a draft pass, the plain step's verification)."""
+        if plan.kind is StepKind.PLAIN:
+            if self.L:
+                return dict(capacity=plan.capacity, drafts="skip")
+            return dict(capacity=plan.capacity, lengths=np.zeros(Bb, np.int32))
+        if plan.kind is StepKind.PROBE:
+            return dict(capacity=plan.capacity, budget=0)
+        return dict(capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget)
+
+    def _dispatch(self, dev: dict, plan: Plan, Bb: int):
+        return self.runner.dispatch(dev, **self._runner_args(plan, Bb))
+
+    def _round_info(self, running, Bb: int, context: int, confidence=None) -> RoundInfo:
+        return RoundInfo(tuple(r.rid for r in running), Bb, context, self.stats["steps_total"], confidence)
 
     def _decode(self) -> None:
-        """Runs the next round. With a pipelining runner the host never waits for a round before starting the
-        next: while the running set is unchanged, round n+1 is dispatched from round n's device outputs and
-        round n is read back while n+1 runs (§5.2). Any change (a finish, an abort, a new request, a short
-        pool, a scheduler that reads the current drafts) reads the round in flight first and starts afresh."""
+        """Runs the next round. With pipelining the host never waits for a round before starting the next:
+        while the running set is unchanged, round n+1 is dispatched from round n's device outputs and round n
+        is read back while n+1 runs (§5.2). Any change (a finish, an abort, a new request, a short pool, a
+        scheduler that reads the current drafts) reads the round in flight first and starts afresh."""
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             chained = self._chain(inflight)
@@ -387,53 +376,35 @@ class EngineCore:
         b = self._step_batch(running)
         R, Bb = len(running), b.lengths.shape[0]
         dev = drafts = conf = None
-        if self.spec.syncs_on_drafts:  # ℓ from the current drafts' confidences, read back on the host
+        syncs = self.scheduler.syncs_on_drafts
+        if syncs:  # ℓ from the current drafts' confidences, read back on the host
             dev = self.runner.device_batch(b)
             drafts = self.runner.draft(b, dev)
             conf = np.asarray(drafts[2])
-        plan = self._plan(b.active, R, Bb, int(b.lengths[:R].max()), conf=conf)
-        if drafts is not None:
-            plan.drafts = drafts
-        if not self.pipelined or self.spec.syncs_on_drafts:
-            res = self.runner.step(b, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
-                                   drafts=plan.drafts, dev=dev, want_confidence=plan.want_confidence)
+        plan = self.scheduler.plan(self._round_info(running, Bb, int(b.lengths[:R].max()), conf))
+        if not self.pipelined or syncs:
+            args = self._runner_args(plan, Bb)
+            if drafts is not None and plan.kind is not StepKind.PLAIN:
+                args["drafts"] = drafts
+            res = self.runner.step(b, dev=dev, want_confidence=plan.read_confidence, **args)
             self._process(_Round(None, running, None, self._count_pass(plan), R, Bb, plan), res)
             return
         dev = self.runner.device_batch(b)
-        self._inflight = _Round(self._dispatch(dev, plan), running, dev, self._count_pass(plan), R, Bb, plan,
+        self._inflight = _Round(self._dispatch(dev, plan, Bb), running, dev, self._count_pass(plan), R, Bb, plan,
                                 bool(b.logprobs[:R].any()))
 
-    def _plan(self, active, R: int, Bb: int, context: int, conf=None) -> _Plan:
-        """The scheduler's choice for a round of R rows at the batch's longest `context`."""
-        sps = self._sps_tokens(Bb, context)
-        if self.spec.kind == "dspark" and not self.sps_ready:  # the safe policy until the table is profiled
-            return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
-        if self.spec.kind == "dspark":
-            self._calibration.tick()
-            raw = self._stale_confidence(self.running, Bb)
-            stale = None if raw is None else self._calibration.apply(raw)  # priced by what drafts deliver
-            budget = min(dspark_capacity(stale, active, self.L, sps), self.capacities[-1] - R)
-            if self._plain_pays(stale, R, budget, sps, self.sps.plain_at(Bb, context)):
-                return _Plan(pick_bucket(R, self.capacities), None, None, "skip", False)
-            if self._probed:  # a probe is for its draft pass (fresh confidences): it verifies no draft token, as
-                budget = 0  # the cost model has just priced verifying them below a plain step
-            predicted = None if raw is None or budget == 0 else _top_gain(raw[:R], budget)
-            return _Plan(pick_bucket(R + budget, self.capacities), None, budget, None, True, predicted)
-        lengths = host_lengths(self.spec, conf, active, self.L, sps)
-        return _Plan(pick_bucket(int(R + lengths.sum()), self.capacities), lengths, None, None, False)
-
-    def _count_pass(self, plan: _Plan) -> int:
+    def _count_pass(self, plan: Plan) -> int:
         """Numbers a dispatched pass (the clock of stale confidences) and counts its plain steps."""
         index = self.stats["steps_total"]
         self.stats["steps_total"] += 1
-        if isinstance(plan.drafts, str) or not self.L:  # a skipped draft, or no drafter at all
+        if plan.kind is StepKind.PLAIN:
             self.stats["plain_steps_total"] += 1
         return index
 
     def _chain(self, prev: _Round) -> _Round | None:
         """Dispatches the round after `prev` from its device outputs when nothing changed since `prev`
         (same running requests, pages for two more blocks, a scheduler that needs no current drafts)."""
-        if self.spec.syncs_on_drafts or prev.running != self.running or any(r.done for r in prev.running):
+        if self.scheduler.syncs_on_drafts or prev.running != self.running or any(r.done for r in prev.running):
             return None
         # The host's n lags by prev's commit (≤ L + 1), and this round writes L + 1 more.
         if not all(self.pages.ensure(r.rid, r.committed + 2 * (self.L + 1)) for r in prev.running):
@@ -441,8 +412,8 @@ class EngineCore:
         Bb = prev.Bb
         dev = self.runner.advance(prev.dev, prev.out, self._block_tables(prev.running, Bb))
         context = max(r.committed for r in prev.running) + self.L + 1
-        plan = self._plan(np.arange(Bb) < prev.R, prev.R, Bb, context)
-        out = self._dispatch(dev, plan)
+        plan = self.scheduler.plan(self._round_info(prev.running, Bb, context))
+        out = self._dispatch(dev, plan, Bb)
         self.stats["chained_steps_total"] += 1
         return _Round(out, prev.running, dev, self._count_pass(plan), prev.R, Bb, plan, prev.want_logprobs)
 
@@ -450,14 +421,11 @@ class EngineCore:
         """Reads a round's results (waiting for it if in flight) and commits them on the host: streamed
         tokens, stops, n ← n + m + 1. Requests finished or aborted since it was dispatched are skipped."""
         if res is None:
-            res = self.runner.fetch(rnd.out, rnd.R, want_confidence=rnd.plan.want_confidence,
+            res = self.runner.fetch(rnd.out, rnd.R, want_confidence=rnd.plan.read_confidence,
                                     want_logprobs=rnd.want_logprobs)
         running, R = rnd.running, rnd.R
         live = np.array([not r.done for r in running])
-        if rnd.plan.predicted is not None:
-            self._calibration.observe(rnd.plan.predicted, int(res.num_accepted[:R].sum()))
-        if res.confidence is not None:
-            self._conf_history.append((rnd.index, {r.rid: res.confidence[i] for i, r in enumerate(running)}))
+        self.scheduler.observe(rnd.index, tuple(r.rid for r in running), rnd.plan, res)
         self.stats["verify_tokens_total"] += int(R + res.lengths[:R].sum())
         self.stats["capacity_tokens_total"] += res.capacity
         self.stats["row_steps_total"] += int(live.sum())
@@ -485,48 +453,6 @@ class EngineCore:
                 self._finish(r, out, reason, logprobs=lps)
             elif out:
                 self._emit(r, out, logprobs=lps)
-
-    def _plain_pays(self, stale, R: int, K: int, sps: np.ndarray, plain_sps: float | None) -> bool:
-        """Whether a plain step (no draft pass) beats the best speculative one by the cost model:
-        Θ_plain = R · SPS_plain against Θ_K = (R + Σ top-K survival) · SPS(R + K). Survival is the stale one,
-        scaled by the gain calibration ρ (as for K), so the choice never looks at the current drafts. After a
-        run of plain steps one step drafts anyway (a probe, `_probed`; `_plan` has it verify no draft token),
-        so the confidences the choice rests on stay fresh: the run is `PROBE_EVERY` steps at first and doubles
-        (up to `PROBE_MAX`) each time a probe leaves plain steps still ahead, so a drafter that does not pay
-        costs ever fewer draft passes; a speculative step chosen on its merits resets it."""
-        if plain_sps is None or stale is None:
-            self._probed = False  # drafting for want of a cost model, not a probe
-            return False
-        if self._plain_run >= self._probe_gap:
-            self._plain_run, self._probed = 0, True
-            return False
-        gain = _top_gain(stale[:R], K)
-        theta_spec = (R + gain) * float(sps[min(R + K, len(sps) - 1)])
-        plain = R * plain_sps >= theta_spec  # a tie (e.g. K = 0: a draft pass for nothing) takes the plain step
-        if not plain:
-            self._plain_run, self._probe_gap = 0, PROBE_EVERY
-        else:
-            if self._probed:
-                self._probe_gap = min(2 * self._probe_gap, PROBE_MAX)
-            self._plain_run += 1
-        self._probed = False
-        return plain
-
-    def _stale_confidence(self, running, Bb: int):
-        """Confidences at least two passes old for the rows [Bb, L] (the newest such pass: after plain steps the
-        last speculative pass may be old enough). A request without one yet (it joined since) gets the mean of
-        that pass's rows: a newcomer is priced like the requests the drafter was last seen on, not as a sure
-        accept (1), which under steady arrivals would draft every step on the newcomers' account."""
-        now = self.stats["steps_total"]
-        usable = [c for t, c in self._conf_history if t <= now - 2]
-        if not usable:
-            return None
-        old = usable[-1]
-        prior = np.mean(np.stack(list(old.values())), axis=0) if old else np.ones(self.L, np.float32)
-        conf = np.ones((Bb, self.L), np.float32)
-        for i, r in enumerate(running):
-            conf[i] = old.get(r.rid, prior)
-        return conf
 
     def step(self) -> bool:
         """One engine iteration; returns whether anything ran. `has_work` holds for its whole duration, so a
@@ -575,19 +501,11 @@ class EngineCore:
             "tokens_per_step": s["emitted_total"] / rows,
             "acceptance_per_position": (self.accepts / np.maximum(self.attempts, 1)).tolist() if self.L else [],
             "verify_tokens_per_pass": s["verify_tokens_total"] / max(s["steps_total"], 1),
-            "draft_gain_ratio": self._calibration.ratio if self.spec.kind == "dspark" else None,
-            "sps_table": {f"{b}x{c}@{x}": v for (b, c, x), v in sorted(self.sps.entries.items())},
+            "draft_gain_ratio": self.scheduler.metrics().get("draft_gain_ratio"),
+            "sps_table": {f"{b}x{c}@{x}": v for (b, c, x), v in sorted(self.scheduler.sps.entries.items())},
             "free_pages": self.pages.num_free, "total_pages": self.pages.num_pages,
             "preemptions_total": s["preemptions_total"], "aborted_total": s["aborted_total"],
         }
-
-
-def _top_gain(conf: np.ndarray, k: int) -> float:
-    """Expected accepted tokens of the k draft tokens with the highest survival in conf [R, L]."""
-    if k <= 0:
-        return 0.0
-    a = survival_host(conf, np.float64).ravel()
-    return float(np.sort(a)[::-1][:k].sum())
 
 
 def _is_request_error(e: Exception) -> bool:
@@ -700,8 +618,6 @@ def capacity_buckets(max_batch: int, block_size: int) -> tuple[int, ...]:
     return pow2_buckets(max_batch * (block_size + 1))
 
 
-PROBE_EVERY = 8  # dspark: after this many plain steps in a row, one speculative step refreshes the confidences
-PROBE_MAX = 64  # dspark: the longest run of plain steps between probes (the run doubles while drafts do not pay)
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the length taken from the target's config
 PROFILE_CONTEXTS = (64, 512)  # context lengths the SPS table is profiled at (interpolated between)
 
@@ -714,79 +630,123 @@ def default_drafter(target_name: str) -> str | None:
     return name if name in shipped_drafters() else None
 
 
-def create_engine(*, target: str = "smollm2-135m-instruct", drafter: str | None = "auto",
-                  scheduler: str | None = None, max_batch: int = 16, max_model_len: int | None = None,
-                  page_size: int = 16, num_pages: int | None = None, kernels: str = "auto",
-                  mesh_shape: tuple[int, int] = (1, 1), chunk_sizes: tuple[int, ...] = (32, 128),
-                  profile: bool = True, progress: bool = True, sps_table: str | None = None,
-                  sps_out: str | None = None, max_waiting: int | None = None, dtype: str = "auto",
-                  kv_dtype: str = "auto", background: bool = False, target_obj=None, drafter_obj=None,
-                  runner=None) -> Engine:
-    """Loads target and drafter, precompiles every shape, profiles (or loads) the SPS table, starts the engine.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """What `create_engine` builds: the models, the scheduler, the engine's sizes and its start-up. Validated
+    once here; logged at start-up.
 
-    drafter: "auto" = the drafter shipped for `target` if there is one, else none (said in one log line);
-        None or "none" serves the target alone. scheduler: default "dspark" with a drafter, "none" without.
+    target: a model spec (`dspark_jax.target.load_target`). drafter: "auto" = the drafter shipped for `target`
+        if there is one, else none (said in one log line); None or "none" serves the target alone.
+    scheduler: a policy string (dspark_jax/policy.py); default "dspark" with a drafter, "none" without.
     max_model_len: default min(the target's max_position_embeddings, 2048).
+    num_pages: KV pages in the pool; default enough for max_batch requests of max_model_len.
+    kernels: "auto" | "pallas" | "reference" (dspark_jax/kernels.py). mesh_shape: (data, model) devices.
     dtype: the target's (and drafter's) weights and activations: "auto" (bfloat16 on GPU/TPU, float32 on CPU:
-        `dspark_jax.target.resolve_dtype`), "bfloat16" or "float32"; with `target_obj`, "auto" or its own dtype.
+        `dspark_jax.target.resolve_dtype`), "bfloat16" or "float32"; with a given target, "auto" or its dtype.
     kv_dtype: the KV page pools': "auto" (= the compute dtype), "bfloat16" or "float32".
+    profile: profile the SPS table at start-up (else flat, unless `sps_table` is given). sps_table: a saved
+        table (`sps_out` of an earlier start) to load instead; it must cover every shape.
     background: ready after compiling what one request needs (prefill and the batch-of-one steps of the safe
         policy: plain steps for the dspark scheduler); the other programs and the SPS profile follow in the
         engine's idle time, and the dspark scheduler speculates once its table is ready (logged). False: all of
         it before the engine starts.
-    sps_table: a saved table (`sps_out` of an earlier start) to load instead of profiling; it must cover every
-        shape. `target_obj` / `drafter_obj` pass already-loaded models (tests); `runner` reuses the device side
-        of an earlier engine (compiled programs, pools), whose sizes and dtypes then win. `mesh_shape` = (data, model).
+    max_waiting: the longest queue before requests are refused (None: unbounded)."""
+
+    target: str = "smollm2-135m-instruct"
+    drafter: str | None = "auto"
+    scheduler: str | None = None
+    max_batch: int = 16
+    max_model_len: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    kernels: str = "auto"
+    mesh_shape: tuple[int, int] = (1, 1)
+    chunk_sizes: tuple[int, ...] = (32, 128)
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
+    profile: bool = True
+    sps_table: str | None = None
+    sps_out: str | None = None
+    background: bool = False
+    max_waiting: int | None = None
+
+    def __post_init__(self):
+        bad = [f"{name}={getattr(self, name)!r}" for name, ok in (
+            ("max_batch", self.max_batch >= 1), ("page_size", self.page_size >= 1),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2),
+            ("num_pages", self.num_pages is None or self.num_pages >= 1),
+            ("chunk_sizes", len(self.chunk_sizes) > 0 and all(c >= 1 for c in self.chunk_sizes)),
+            ("mesh_shape", len(self.mesh_shape) == 2 and all(m >= 1 for m in self.mesh_shape)),
+            ("max_waiting", self.max_waiting is None or self.max_waiting >= 0)) if not ok]
+        if bad:
+            raise ValueError("bad engine sizes: " + ", ".join(bad))
+        for name in ("dtype", "kv_dtype"):
+            if getattr(self, name) not in ("auto", "bfloat16", "float32"):
+                raise ValueError(f"{name} must be auto, bfloat16 or float32, got {getattr(self, name)!r}")
+        if self.scheduler is not None:
+            Policy.parse(self.scheduler)  # a clear error for a bad policy string, before anything loads
+        object.__setattr__(self, "chunk_sizes", tuple(sorted(int(c) for c in self.chunk_sizes)))
+        object.__setattr__(self, "mesh_shape", tuple(int(m) for m in self.mesh_shape))
+
+
+def create_engine(config: EngineConfig | None = None, *, target_obj=None, drafter_obj=None, runner=None,
+                  progress: bool = True, **fields) -> Engine:
+    """Loads target and drafter, precompiles every shape, profiles (or loads) the SPS table, starts the engine.
+
+    config: an EngineConfig; keyword `fields` build one (or replace its fields). `target_obj` / `drafter_obj`
+    pass already-loaded models (tests); `runner` reuses the device side of an earlier engine (compiled programs,
+    pools), whose sizes and dtypes then win. progress: print start-up lines and progress bars.
     """
     from dspark_jax.drafter import load_drafter
     from dspark_jax.runner import ModelRunner
     from dspark_jax.sharding import make_mesh
     from dspark_jax.target import dtype_name, load_target, resolve_dtype
 
+    config = dataclasses.replace(config, **fields) if config is not None else EngineConfig(**fields)
+    log.info("engine config: %s", config)
     say = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
-    if max_batch < 1 or page_size < 1 or (max_model_len is not None and max_model_len < 2):
-        raise ValueError(f"bad engine sizes: {max_batch=}, {max_model_len=}, {page_size=}")
-    dtype = resolve_dtype(dtype, auto=None if target_obj is None else dtype_name(target_obj.dtype))
+    if runner is not None:
+        policy = Policy.parse(config.scheduler or ("dspark" if runner.drafter is not None else "none"))
+        max_model_len = config.max_model_len or (runner.max_pages * runner.page_size - runner.L - 1)
+        return _engine_on(runner, policy, config, max_model_len, say, getattr(runner.target, "source", "target"),
+                          progress)
+    dtype = resolve_dtype(config.dtype, auto=None if target_obj is None else dtype_name(target_obj.dtype))
     if target_obj is not None and dtype != dtype_name(target_obj.dtype):
         raise ValueError(f"dtype={dtype} but the given target is {dtype_name(target_obj.dtype)}; load it in "
                          f"{dtype} or pass dtype='auto'")
-    kv_dtype = resolve_dtype(kv_dtype, auto=dtype)
-    if runner is not None:
-        spec = SchedulerSpec.parse(scheduler or ("dspark" if runner.drafter is not None else "none"))
-        mml = max_model_len or (runner.max_pages * runner.page_size - runner.L - 1)
-        return _engine_on(runner, spec, mml, profile, say, getattr(runner.target, "source", "target"),
-                          sps_table, sps_out, max_waiting, progress, background)
+    kv_dtype = resolve_dtype(config.kv_dtype, auto=dtype)
     log.info("dtype: %s (weights and activations), KV cache: %s", dtype, kv_dtype)
-    tgt = target_obj if target_obj is not None else load_target(target, dtype)
-    if drafter == "auto" and drafter_obj is None:
-        drafter = default_drafter(target) if target_obj is None else None
-        log.info("drafter: %s", drafter or f"none (no drafter is shipped for {target}); serving the target alone")
-    spec = SchedulerSpec.parse(scheduler or ("dspark" if (drafter not in (None, "none") or drafter_obj) else "none"))
-    drf = drafter_obj
-    if drf is None and drafter not in (None, "none") and spec.needs_drafter:
-        say(f"loading drafter {drafter}")
-        drf = load_drafter(drafter, tgt)
-    if not spec.needs_drafter:
-        drf = None
-    if spec.needs_drafter and drf is None:
-        raise ValueError(f"scheduler {spec.kind!r} needs a drafter; pass --drafter")
-    if drf is not None:
-        drf.check_target(tgt)
-    limit = tgt.config.max_position_embeddings
-    if max_model_len is None:
-        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+    target = target_obj if target_obj is not None else load_target(config.target, dtype)
+    drafter_name = config.drafter
+    if drafter_name == "auto" and drafter_obj is None:
+        drafter_name = default_drafter(config.target) if target_obj is None else None
+        log.info("drafter: %s", drafter_name or f"none (no drafter is shipped for {config.target}); serving the "
+                 "target alone")
+    has_drafter = drafter_name not in (None, "none") or drafter_obj is not None
+    policy = Policy.parse(config.scheduler or ("dspark" if has_drafter else "none"))
+    drafter = drafter_obj
+    if drafter is None and drafter_name not in (None, "none") and policy.needs_drafter:
+        say(f"loading drafter {drafter_name}")
+        drafter = load_drafter(drafter_name, target)
+    if not policy.needs_drafter:
+        drafter = None
+    if policy.needs_drafter and drafter is None:
+        raise ValueError(f"scheduler {policy.kind!r} needs a drafter; pass --drafter")
+    if drafter is not None:
+        drafter.check_target(target)
+    limit = target.config.max_position_embeddings
+    max_model_len = config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the target's {limit}")
-    L = drf.config.block_size if drf is not None else 0
-    max_pages = -(-(max_model_len + L + 1) // page_size)
-    num_pages = num_pages or max_batch * max_pages
-    mesh = make_mesh(*mesh_shape) if mesh_shape != (1, 1) else None
-    runner = ModelRunner(tgt, drf, max_batch=max_batch, num_pages=num_pages, page_size=page_size,
-                         max_pages=max_pages, chunk_sizes=tuple(sorted(chunk_sizes)), kernels=kernels, mesh=mesh,
+    block_size = drafter.config.block_size if drafter is not None else 0
+    max_pages = -(-(max_model_len + block_size + 1) // config.page_size)
+    mesh = make_mesh(*config.mesh_shape) if config.mesh_shape != (1, 1) else None
+    runner = ModelRunner(target, drafter, max_batch=config.max_batch,
+                         num_pages=config.num_pages or config.max_batch * max_pages, page_size=config.page_size,
+                         max_pages=max_pages, chunk_sizes=config.chunk_sizes, kernels=config.kernels, mesh=mesh,
                          kv_dtype=kv_dtype)
-    name = target if target_obj is None else getattr(tgt, "source", "target")
-    return _engine_on(runner, spec, max_model_len, profile, say, name, sps_table, sps_out, max_waiting, progress,
-                      background)
+    name = config.target if target_obj is None else getattr(target, "source", "target")
+    return _engine_on(runner, policy, config, max_model_len, say, name, progress)
 
 
 def _bar(progress: bool, desc: str):
@@ -799,11 +759,11 @@ def _bar(progress: bool, desc: str):
     return ctx.__enter__(), lambda: ctx.__exit__(None, None, None)
 
 
-def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, say, name: str,
-               sps_table: str | None, sps_out: str | None, max_waiting: int | None, progress: bool,
-               background: bool = False) -> Engine:
+def _engine_on(runner, spec: Policy, config: EngineConfig, max_model_len: int, say, name: str,
+               progress: bool) -> Engine:
     """Compiles (if not yet) and profiles the runner for the scheduler's mode, then starts an engine on it; with
-    `background`, only what one request needs first (create_engine)."""
+    `config.background`, only what one request needs first (create_engine)."""
+    background, profile, sps_table, sps_out = config.background, config.profile, config.sps_table, config.sps_out
     if spec.needs_drafter and runner.drafter is None:
         raise ValueError(f"scheduler {spec.kind!r} needs a drafter; this runner has none")
     mode = "topk" if spec.kind == "dspark" else "lengths"
@@ -838,15 +798,14 @@ def _engine_on(runner, spec: SchedulerSpec, max_model_len: int, profile: bool, s
         sps.save(sps_out)
     if sps is not None:
         say(_summary(runner, spec, sps, name))
-    core = EngineCore(runner, scheduler=str(spec), max_batch=runner.B, num_pages=runner.num_pages,
-                      page_size=runner.page_size, max_model_len=max_model_len,
-                      eos_token_ids=runner.target.eos_token_ids, sps=sps, max_waiting=max_waiting)
+    core = EngineCore(runner, scheduler=str(spec), max_model_len=max_model_len,
+                      eos_token_ids=runner.target.eos_token_ids, sps=sps, max_waiting=config.max_waiting)
     work = None
     if later or (background and profile and sps is None):
         work = _background_startup(runner, core, spec, name, later, profile and sps is None, mode, max_draft,
                                    plain, sps_out)
         if spec.kind == "dspark" and profile and sps is None:
-            core.sps_ready = False
+            core.scheduler.ready = False
             say("serving plain steps until the SPS table is profiled; then the dspark scheduler speculates")
     return Engine(core, model_name=name, tokenizer=runner.target.tokenizer, background=work).start()
 
@@ -889,7 +848,7 @@ def _first_request_job(job: tuple, runner, mode: str, plain: bool) -> bool:
     return job[0] == "draft" or (job[0] == "verify" and job[3] == mode)
 
 
-def _background_startup(runner, core: EngineCore, spec: SchedulerSpec, name: str, jobs: list, profile: bool,
+def _background_startup(runner, core: EngineCore, spec: Policy, name: str, jobs: list, profile: bool,
                         mode: str, max_draft: int, plain: bool, sps_out: str | None):
     """Start-up work left for the engine's idle time (`Engine._advance_background`), one small item per
     `next`: compile the remaining programs, then profile the SPS table a batch bucket at a time and hand it to

@@ -1,36 +1,44 @@
-"""Per-step verification decisions of the serving engine (paper §3.2.2, §5.2; explainer parts 7–9).
+"""The serving schedulers: per-round verification decisions of the engine (paper §3.2.2, §5.2; explainer 7–9).
 
-Schedulers (flag `--scheduler`):
-  none          target only: every running request verifies just its anchor (ℓ = 0), no drafter runs.
-  fixed:N       ℓ = min(N, L) for every request.
-  threshold:X   ℓ = the leading draft tokens with survival a_k ≥ X (current step; a host sync per step).
-  dspark-sync   Algorithm 1 with the early-stop break on the current step's survival (host sync per step).
-  dspark        §5.2: the pass capacity K is fixed from survival two steps old by a global search over the
-                SPS table (no break); the current step's top-K draft tokens by survival fill it on device.
-                The host never waits for the current drafts to choose K.
+A scheduler (the `Scheduler` protocol, as vLLM's draft-length policies) owns its state and answers each round
+with a typed `Plan`: a plain step (no draft pass), a probe (a draft pass for fresh confidences, no draft token
+verified) or a speculative step with ℓ per row (`lengths`) or a top-K `budget`, in a capacity bucket. The
+engine (serve/engine.py) owns everything else: queues, pages, preemption, pipelining and commit.
+
+Policies (flag `--scheduler`, parsed by dspark_jax/policy.py):
+  none          `TargetOnly`: every step plain (ℓ = 0), no drafter runs.
+  fixed:N       `HostLengths`: ℓ = min(N, L) for every request.
+  threshold:X   `HostLengths`: ℓ = the leading draft tokens with survival a_k ≥ X (current step; a host sync).
+  dspark-sync   `HostLengths`: Algorithm 1 with the early-stop break on the current survival (a host sync).
+  dspark        `DsparkScheduler`, §5.2: the pass capacity K from survival at least two passes old by a global
+                search over the SPS table (no break); the current step's top-K draft tokens by survival fill it
+                on device, so the host never waits for the current drafts; plain steps when drafts do not pay.
 A pass over R running requests with Σℓ draft tokens holds R + Σℓ tokens and runs in the smallest capacity
-bucket that fits; `sps` is the profiled steps/s per bucket, expanded to a per-token step table.
+bucket that fits; the SPS table (serve/sps_table.py) is expanded to a per-token step table.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import json
+import enum
+import typing
 
 import jax
 import numpy as np
 
 from dspark_jax.policy import Policy
 from dspark_jax.scheduling import (
-    bucket_sps,
     capacity_search_host,
     prefix_schedule,
     survival,
     survival_host,
     threshold_lengths,
 )
+from serve.sps_table import SpsTable
 
-SchedulerSpec = Policy  # the one parser and meaning of policy strings (dspark_jax/policy.py)
+PROBE_EVERY = 8  # dspark: after this many plain steps in a row, one probe refreshes the confidences
+PROBE_MAX = 64  # dspark: the longest run of plain steps between probes (the run doubles while drafts do not pay)
 
 
 def pick_bucket(tokens: int, buckets) -> int:
@@ -41,17 +49,12 @@ def pick_bucket(tokens: int, buckets) -> int:
     raise ValueError(f"{tokens} tokens exceed the largest capacity bucket {buckets[-1]}")
 
 
-def token_sps_table(sps_at_buckets, buckets) -> np.ndarray:
-    """Per-token SPS (index = tokens in the pass) from the per-bucket table."""
-    return np.asarray(bucket_sps(sps_at_buckets, buckets, int(buckets[-1])))
-
-
 # Jitted once per shape: eager jnp here would cost dozens of small dispatches on every engine step.
 _threshold = jax.jit(lambda conf, x, active: threshold_lengths(survival(conf), x, active))
 _prefix = jax.jit(lambda conf, sps, active: prefix_schedule(survival(conf), sps, active))
 
 
-def host_lengths(spec: SchedulerSpec, conf: np.ndarray | None, active: np.ndarray, block_size: int,
+def host_lengths(spec: Policy, conf: np.ndarray | None, active: np.ndarray, block_size: int,
                  sps_table: np.ndarray) -> np.ndarray:
     """ℓ per slot for the synchronous schedulers (none, fixed, threshold, dspark-sync); int32 [B]."""
     B = active.shape[0]
@@ -122,7 +125,7 @@ class GainCalibration:
         return out
 
 
-def warm_scheduler(spec: SchedulerSpec, batch_buckets, block_size: int, max_tokens: int) -> None:
+def warm_scheduler(spec: Policy, batch_buckets, block_size: int, max_tokens: int) -> None:
     """Compiles the scheduler's jitted search for every batch bucket (start-up; a step never compiles)."""
     table = np.zeros(max_tokens + 1, np.float32)
     for bb in batch_buckets:
@@ -133,99 +136,247 @@ def warm_scheduler(spec: SchedulerSpec, batch_buckets, block_size: int, max_toke
             host_lengths(spec, conf, active, block_size, table)
 
 
-@dataclasses.dataclass
-class SpsTable:
-    """The profiled cost model: steps/s of a full step (draft + verify) by (batch bucket, capacity bucket,
-    context length). Profiled with repeats at a few context lengths, smoothed to be monotone (more tokens or
-    longer contexts never make a step faster), saved and reloaded as JSON (`--sps-table PATH`).
+# ---- the schedulers --------------------------------------------------------------------------------------------
+class StepKind(enum.Enum):
+    """What a round runs: the three kinds of step a scheduler can ask for."""
 
-    `token_table(rows, context)` is what the schedulers read: SPS indexed by tokens in the pass for the batch
-    bucket of `rows` running requests, linearly interpolated between the profiled context lengths (clamped at
-    the ends), so the capacity search prices long contexts correctly.
-    """
+    PLAIN = "plain"  # no draft pass: every row verifies its anchor alone (a target-only step)
+    PROBE = "probe"  # a draft pass for fresh confidences that verifies no draft token (dspark)
+    SPECULATE = "speculate"  # a draft pass, then verification of the draft tokens the plan admits
 
-    entries: dict[tuple[int, int, int], float]  # (batch bucket, capacity, context) → steps/s
-    plain: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (batch, context) → plain steps/s
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """A scheduler's decision for one round of R rows in a batch bucket of Bb.
+
+    capacity: the pass's token bucket (≥ R + the draft tokens it verifies). A speculative plan sets exactly
+    one of `lengths` (int32 [Bb], ℓ per row chosen on the host) and `budget` (K ≥ 1 draft tokens, filled on
+    device with the current step's top-K by survival); plain steps and probes set neither.
+    read_confidence: read the round's confidences back (the dspark scheduler's history).
+    predicted: dspark, a speculative step: Σ top-K stale survival (unscaled), what the gain calibration compares
+    the accepted tokens with."""
+
+    kind: StepKind
+    capacity: int
+    lengths: np.ndarray | None = None
+    budget: int | None = None
+    read_confidence: bool = False
+    predicted: float | None = None
+
+    def __post_init__(self):
+        if self.kind is StepKind.SPECULATE:
+            if (self.lengths is None) == (self.budget is None):
+                raise ValueError("a speculative plan sets exactly one of lengths and budget")
+            if self.budget is not None and self.budget < 1:
+                raise ValueError(f"a speculative plan's budget is >= 1, got {self.budget}")
+        elif self.lengths is not None or self.budget is not None:
+            raise ValueError(f"a {self.kind.value} plan verifies no draft token")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RoundInfo:
+    """What a scheduler sees of the round it plans: the running requests in row order (rows 0..R−1 of a batch
+    bucket of `batch_rows`), the longest context, the number the pass will get (the clock of stale
+    confidences), and the current drafts' confidences f32 [batch_rows, L] (schedulers that sync on them)."""
+
+    request_ids: tuple[str, ...]
+    batch_rows: int
+    context: int
+    index: int
+    confidence: np.ndarray | None = None
 
     @property
-    def contexts(self) -> list[int]:
-        return sorted({c for _, _, c in self.entries})
+    def rows(self) -> int:
+        return len(self.request_ids)
 
-    def smoothed(self) -> SpsTable:
-        """Running minimum along capacity (for each batch bucket and context), then along context; a plain
-        step is at least as fast as the full step of its batch bucket at the smallest capacity profiled there
-        and the same context (it is that step without the draft pass and with ℓ = 0), then monotone in context."""
-        out = dict(self.entries)
-        for bb, ctx in {(b, c) for b, _, c in out}:
-            best = np.inf
-            for cap in sorted(k[1] for k in out if k[0] == bb and k[2] == ctx):
-                best = min(best, out[bb, cap, ctx])
-                out[bb, cap, ctx] = best
-        for bb, cap in {(b, c) for b, c, _ in out}:
-            best = np.inf
-            for ctx in sorted(k[2] for k in out if k[0] == bb and k[1] == cap):
-                best = min(best, out[bb, cap, ctx])
-                out[bb, cap, ctx] = best
-        plain = dict(self.plain)
-        for bb, ctx in plain:
-            caps = [c for b, c, x in out if b == bb and x == ctx]
-            if caps:
-                plain[bb, ctx] = max(plain[bb, ctx], out[bb, min(caps), ctx])
-        for bb in {b for b, _ in plain}:
-            best = np.inf
-            for ctx in sorted(c for b, c in plain if b == bb):
-                best = min(best, plain[bb, ctx])
-                plain[bb, ctx] = best
-        return SpsTable(out, plain)
+    @property
+    def active(self) -> np.ndarray:
+        return np.arange(self.batch_rows) < self.rows
 
-    def plain_at(self, bb: int, context: float) -> float | None:
-        """Steps/s of a plain step (no draft pass) for batch bucket bb, or None when not profiled."""
-        ctxs = sorted(c for b, c in self.plain if b == bb)
-        if not ctxs:
+
+@typing.runtime_checkable
+class Scheduler(typing.Protocol):
+    """A verification-length policy (as vLLM's draft-length policies): it owns its state and answers each
+    round with a Plan. `EngineCore` owns everything else (queues, pages, preemption, pipelining, commit)."""
+
+    policy: Policy
+    syncs_on_drafts: bool  # plan() needs the current drafts' confidences (no pipelining; a host sync per step)
+    ready: bool  # its cost model is in place (False while the SPS table is being profiled)
+    sps: SpsTable
+
+    def set_sps(self, sps: SpsTable | dict | None) -> None: ...
+
+    def plan(self, info: RoundInfo) -> Plan: ...
+
+    def observe(self, index: int, request_ids: tuple[str, ...], plan: Plan, result) -> None: ...
+
+    def metrics(self) -> dict: ...
+
+
+class _Priced:
+    """The SPS cost model a scheduler reads: the table, its per-token expansion by (batch bucket, context / 64),
+    and whether it is ready."""
+
+    def __init__(self, policy: Policy, *, block_size: int, capacities, batch_buckets, sps=None):
+        self.policy, self.L = policy, block_size
+        self.capacities, self.batch_buckets = tuple(capacities), tuple(batch_buckets)
+        self.syncs_on_drafts = policy.syncs_on_drafts
+        self.set_sps(sps)
+
+    def set_sps(self, sps: SpsTable | dict | None) -> None:
+        """An SpsTable, a {capacity: steps/s} dict (the same for every batch bucket and context: tests, hand-made
+        tables), or None (flat until profiled or loaded)."""
+        self.ready = True
+        if sps is None:
+            sps = {c: 1.0 for c in self.capacities}
+        if isinstance(sps, dict):
+            sps = SpsTable({(bb, int(c), 0): float(v) for bb in self.batch_buckets for c, v in sps.items()})
+        self.sps = sps
+        self._token_tables: dict = {}
+
+    def token_sps(self, batch_rows: int, context: int) -> tuple[np.ndarray, float | None]:
+        """(per-token SPS table, plain steps/s or None) for this batch bucket at the batch's longest context,
+        both read at the same context (the start of its 64-position window, cached): priced at two contexts, a
+        plain step and the full step it is a part of could trade places on a tie."""
+        key = (batch_rows, context // 64)
+        if key not in self._token_tables:
+            at = key[1] * 64
+            self._token_tables[key] = (self.sps.token_table(batch_rows, at, self.capacities),
+                                       self.sps.plain_at(batch_rows, at))
+        return self._token_tables[key]
+
+    def plain(self, info: RoundInfo) -> Plan:
+        return Plan(StepKind.PLAIN, pick_bucket(info.rows, self.capacities))
+
+    def observe(self, index: int, request_ids, plan: Plan, result) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {}
+
+
+class TargetOnly(_Priced):
+    """`none` (and `fixed:0`): every step plain."""
+
+    def plan(self, info: RoundInfo) -> Plan:
+        return self.plain(info)
+
+
+class HostLengths(_Priced):
+    """`fixed:N`, `threshold:X`, `dspark-sync`: ℓ per row chosen on the host (the last two from the current
+    drafts' confidences, read back before the pass: `syncs_on_drafts`)."""
+
+    def plan(self, info: RoundInfo) -> Plan:
+        lengths = host_lengths(self.policy, info.confidence, info.active, self.L,
+                               self.token_sps(info.batch_rows, info.context)[0])
+        return Plan(StepKind.SPECULATE, pick_bucket(int(info.rows + lengths.sum()), self.capacities),
+                    lengths=lengths)
+
+
+class DsparkScheduler(_Priced):
+    """`dspark` (§5.2): the pass capacity K from confidences at least two passes old by the global search over
+    the SPS table, filled on device with the current step's top-K draft tokens, so the host never waits for the
+    current drafts; a plain step when the cost model says drafts do not pay, and a probe now and then to keep
+    the confidences fresh. Its state: the confidence history, the gain calibration, the probe clock and
+    whether the SPS table is ready (plain steps until it is)."""
+
+    def __init__(self, policy: Policy, **kw):
+        super().__init__(policy, **kw)
+        self.history: collections.deque = collections.deque(maxlen=2)  # (pass, {request id: confidence [L]})
+        self.calibration = GainCalibration()  # realized / predicted gain of its speculative steps
+        self.plain_run = 0  # consecutive plain steps
+        self.probe_gap = PROBE_EVERY  # plain steps before the next probe (doubles while drafts do not pay)
+        self.probed = False  # the last step was a probe
+        self._stale_key, self._stale = None, None  # stale_confidence's last answer
+
+    def plan(self, info: RoundInfo) -> Plan:
+        if not self.ready:  # the safe policy until the table is profiled
+            return self.plain(info)
+        R, Bb = info.rows, info.batch_rows
+        sps, plain_sps = self.token_sps(Bb, info.context)
+        self.calibration.tick()
+        raw = self.stale_confidence(info)
+        stale = None if raw is None else self.calibration.apply(raw)  # priced by what drafts deliver
+        budget = min(dspark_capacity(stale, info.active, self.L, sps), self.capacities[-1] - R)
+        if self._plain_pays(stale, R, budget, sps, plain_sps):
+            return self.plain(info)
+        if budget == 0 and not self.probed:  # no draft token pays: a draft pass would verify none of them
+            return self.plain(info)
+        if self.probed:  # a probe is for its draft pass (fresh confidences): it verifies no draft token, as the
+            return Plan(StepKind.PROBE, pick_bucket(R, self.capacities), read_confidence=True)  # cost model
+            # has just priced verifying them below a plain step
+        predicted = None if raw is None else _top_gain(raw[:R], budget)
+        return Plan(StepKind.SPECULATE, pick_bucket(R + budget, self.capacities), budget=budget,
+                    read_confidence=True, predicted=predicted)
+
+    def observe(self, index: int, request_ids, plan: Plan, result) -> None:
+        if plan.predicted is not None:
+            self.calibration.observe(plan.predicted, int(result.num_accepted[: len(request_ids)].sum()))
+        if result.confidence is not None:
+            self.history.append((index, dict(zip(request_ids, result.confidence, strict=False))))
+
+    def metrics(self) -> dict:
+        return {"draft_gain_ratio": self.calibration.ratio}
+
+    def _plain_pays(self, stale, R: int, K: int, sps: np.ndarray, plain_sps: float | None) -> bool:
+        """Whether a plain step (no draft pass) beats the best speculative one by the cost model:
+        Θ_plain = R · SPS_plain against Θ_K = (R + Σ top-K survival) · SPS(R + K). Survival is the stale one,
+        scaled by the gain calibration ρ (as for K), so the choice never looks at the current drafts. After a
+        run of plain steps one step drafts anyway (a probe, `probed`), so the confidences the choice rests on
+        stay fresh: the run is `PROBE_EVERY` steps at first and doubles (up to `PROBE_MAX`) each time a probe
+        leaves plain steps still ahead, so a drafter that does not pay costs ever fewer draft passes; a
+        speculative step chosen on its merits resets it."""
+        if plain_sps is None or stale is None:
+            self.probed = False  # drafting for want of a cost model, not a probe
+            return False
+        if self.plain_run >= self.probe_gap:
+            self.plain_run, self.probed = 0, True
+            return False
+        gain = _top_gain(stale[:R], K)
+        theta_spec = (R + gain) * float(sps[min(R + K, len(sps) - 1)])
+        plain = R * plain_sps >= theta_spec  # a tie (e.g. K = 0: a draft pass for nothing) takes the plain step
+        if not plain:
+            self.plain_run, self.probe_gap = 0, PROBE_EVERY
+        else:
+            if self.probed:
+                self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
+            self.plain_run += 1
+        self.probed = False
+        return plain
+
+    def stale_confidence(self, info: RoundInfo) -> np.ndarray | None:
+        """Confidences at least two passes old for the rows [Bb, L] (the newest such pass: after plain steps the
+        last speculative pass may be old enough). A request without one yet (it joined since) gets the mean of
+        that pass's rows: a newcomer is priced like the requests the drafter was last seen on, not as a sure
+        accept (1), which under steady arrivals would draft every step on the newcomers' account."""
+        usable = [(t, c) for t, c in self.history if t <= info.index - 2]
+        if not usable:
             return None
-        return float(np.interp(context, ctxs, [self.plain[bb, c] for c in ctxs]))
+        t, old = usable[-1]
+        key = (t, info.request_ids, info.batch_rows)  # unchanged through a run of plain steps: built once
+        if self._stale_key != key:
+            prior = np.mean(np.stack(list(old.values())), axis=0) if old else np.ones(self.L, np.float32)
+            conf = np.ones((info.batch_rows, self.L), np.float32)
+            for i, rid in enumerate(info.request_ids):
+                conf[i] = old.get(rid, prior)
+            self._stale_key, self._stale = key, conf
+        return self._stale
 
-    def at(self, bb: int, cap: int, context: float) -> float:
-        ctxs = [c for c in self.contexts if (bb, cap, c) in self.entries]
-        if not ctxs:
-            return 0.0
-        vals = [self.entries[bb, cap, c] for c in ctxs]
-        return float(np.interp(context, ctxs, vals))
 
-    def token_table(self, bb: int, context: float, capacities) -> np.ndarray:
-        """f32 [capacities[-1] + 1]: SPS(N) = SPS of the smallest bucket ≥ N profiled for `bb`; 0 where none."""
-        caps = [c for c in capacities if any(k[0] == bb and k[1] == c for k in self.entries)]
-        table = np.zeros(int(capacities[-1]) + 1, np.float32)
-        if not caps:
-            return table
-        sps_at = [self.at(bb, c, context) for c in caps]
-        return np.asarray(bucket_sps(sps_at, caps, int(capacities[-1])), np.float32)
+def make_scheduler(policy: Policy | str, *, block_size: int, capacities, batch_buckets, sps=None) -> Scheduler:
+    """The scheduler object for a policy string (`--scheduler`) on a runner of draft block `block_size`."""
+    policy = Policy.parse(policy) if isinstance(policy, str) else policy
+    kw = dict(block_size=block_size, capacities=capacities, batch_buckets=batch_buckets, sps=sps)
+    if policy.kind == "dspark":
+        return DsparkScheduler(policy, **kw)
+    if policy.kind == "none" or block_size == 0 or (policy.kind == "fixed" and policy.max_draft(block_size) == 0):
+        return TargetOnly(policy, **kw)
+    return HostLengths(policy, **kw)
 
-    def save(self, path: str) -> None:
-        rows = [{"batch": b, "capacity": c, "context": x, "sps": v} for (b, c, x), v in sorted(self.entries.items())]
-        plain = [{"batch": b, "context": x, "sps": v} for (b, x), v in sorted(self.plain.items())]
-        with open(path, "w") as f:
-            json.dump({"format": "dspark-sps-v2", "entries": rows, "plain": plain}, f, indent=1)
 
-    @classmethod
-    def load(cls, path: str) -> SpsTable:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            if data.get("format") != "dspark-sps-v2":
-                raise ValueError(f"unknown format {data.get('format')!r}")
-            return cls({(int(r["batch"]), int(r["capacity"]), int(r["context"])): float(r["sps"])
-                        for r in data["entries"]},
-                       {(int(r["batch"]), int(r["context"])): float(r["sps"]) for r in data.get("plain", [])})
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"not an SPS table: {path}: {e}") from None
-
-    def covers(self, shapes) -> bool:
-        """Whether every (batch bucket, capacity) the runner can take has an entry."""
-        have = {(b, c) for b, c, _ in self.entries}
-        return all(tuple(s) in have for s in shapes)
-
-    def summary(self) -> str:
-        ctx = self.contexts[0] if self.contexts else 0
-        parts = [f"{b}x{c}: {self.entries[b, c, ctx]:.1f}" for b, c, x in sorted(self.entries) if x == ctx]
-        return f"steps/s at context {ctx} (batch x capacity): " + ", ".join(parts)
+def _top_gain(conf: np.ndarray, k: int) -> float:
+    """Expected accepted tokens of the k draft tokens with the highest survival in conf [R, L]."""
+    if k <= 0:
+        return 0.0
+    a = survival_host(conf, np.float64).ravel()
+    return float(np.sort(a)[::-1][:k].sum())

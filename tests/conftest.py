@@ -170,3 +170,17 @@ def save_word_tokenizer(directory, vocab_size: int = 128) -> None:
                                                 bos_token="t1", eos_token="t2")
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(str(directory))
+
+
+def chatml_word_target(tmp_path, seed: int = 0):
+    """A tiny random llama Target with a word-level tokenizer whose chat template is ChatML-shaped: a system
+    turn, then "t3 <user words> t2", then the assistant opener "t4" (t2 = eos ends every turn), so Magpie's
+    pre-query prefix is "t5 t6 t2 t3 " and the end-of-turn token is t2."""
+    import transformers
+
+    target = target_from_hf(make_hf_model("llama", tied=True, seed=seed), tmp_path / "model")
+    save_word_tokenizer(tmp_path / "tok")
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    tok.chat_template = "t5 t6 t2 {% for m in messages %}t3 {{ m['content'] }} t2 {% endfor %}t4 "
+    target.tokenizer = tok
+    return target

@@ -150,3 +150,13 @@ def test_math_leaves_no_reasoning_gym_modules_behind():
     assert {name for name in sys.modules if name.startswith("reasoning_gym")} == before
     assert len(questions) == 200
     assert all(q.endswith(datasets._GSM_SUFFIX) for q in questions)
+
+
+def test_sharegpt_later_turns_are_train_only_and_not_first_turns():
+    later = load_prompts("train", "chat_turns", 200, seed=0)
+    assert len(later) == 200 and later == load_prompts("train", "chat_turns", 200, seed=0)
+    assert all(MIN_CHARS <= len(p) <= MAX_CHARS for p in later)
+    # A follow-up may repeat some conversation's first turn ("continue"-like requests are filtered by length).
+    assert len(set(later) & set(datasets._pool("train", "chat"))) < 20
+    with pytest.raises(ValueError, match="domain="):
+        load_prompts("eval", "chat_turns", 1)

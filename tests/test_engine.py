@@ -134,7 +134,7 @@ def test_background_startup_serves_plain_first_then_speculates_with_its_profiled
     try:
         runner = engine.core.runner
         first = set(runner.traces)
-        assert not engine.startup_complete and not engine.core.sps_ready
+        assert not engine.startup_complete and not engine.core.scheduler.ready
         assert len(first) < len(runner.warmup_jobs(("topk",), plain=True))  # fewer programs than all of them
 
         def run(i):
@@ -150,7 +150,7 @@ def test_background_startup_serves_plain_first_then_speculates_with_its_profiled
         deadline = time.monotonic() + 600
         while not engine.startup_complete and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert engine.startup_complete and engine.core.sps_ready
+        assert engine.startup_complete and engine.core.scheduler.ready
         assert {k[:2] for k in runner.traces} >= {("verify", bb) for bb in runner.batch_buckets}
         before = engine.core.stats["steps_total"] - engine.core.stats["plain_steps_total"]
         assert [run(i) for i in (1, 2, 3)] == ref[1:4]

@@ -30,6 +30,8 @@ import pytest
 
 from dspark_jax.runner import StepBatch, StepResult, pick, pow2_buckets
 from serve.engine import Engine, EngineCore, capacity_buckets
+from serve.runner_api import Runner
+from serve.scheduler import Scheduler
 from serve.types import EngineRequest, SamplingParams
 
 V = 1000
@@ -90,8 +92,11 @@ class Pass:
 
 
 class MockRunner:
-    """Exactly the runner surface EngineCore uses (dspark_jax/runner.py's host API), in numpy. Rows of a step
-    are the running requests compacted into a batch bucket (powers of two up to B)."""
+    """The runner interface EngineCore drives (serve/runner_api.py `Runner`, which dspark_jax/runner.py's
+    ModelRunner satisfies), in numpy. Rows of a step are the running requests compacted into a batch bucket
+    (powers of two up to B). A round runs when dispatched (so a round chained before the host read the previous
+    one writes the cache first); `advance` builds the next round's batch from the previous round's outputs
+    alone, as the device does."""
 
     def __init__(self, *, B, L, num_pages, page_size, max_pages, capacities, chunk_sizes, accept=None, conf=None,
                  confidence_head=True, fail_at_pass=None):
@@ -155,7 +160,8 @@ class MockRunner:
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 
     def device_batch(self, b: StepBatch) -> dict:
-        return {"host": b}
+        return {"host": dataclasses.replace(b, lengths=b.lengths.copy(), anchors=b.anchors.copy(),
+                                            block_tables=b.block_tables.copy(), rounds=b.rounds.copy())}
 
     def draft(self, b: StepBatch, dev):
         """(draft [Bb, L], q (unused), confidence [Bb, L]) for the pass about to run."""
@@ -221,15 +227,6 @@ class MockRunner:
         return StepResult(emitted[:R], num_emitted[:R], num_accepted[:R], ell[:R],
                           None if confidence is None else confidence[:R], capacity)
 
-
-class PipelinedMockRunner(MockRunner):
-    """The mock with the pipelining surface of dspark_jax/runner.py (`dispatch`, `fetch`, `advance`): a round
-    runs when dispatched (so a round chained before the host read the previous one writes the cache first);
-    `advance` builds the next round's batch from the previous round's outputs alone, as the device does."""
-
-    def device_batch(self, b: StepBatch) -> dict:
-        return {"host": dataclasses.replace(b, lengths=b.lengths.copy(), anchors=b.anchors.copy(),
-                                            block_tables=b.block_tables.copy(), rounds=b.rounds.copy())}
 
     def dispatch(self, dev, *, capacity, lengths=None, budget=None, policy=None, drafts=None):
         assert policy is None
@@ -301,11 +298,12 @@ def make_core(scheduler, *, B=2, L=4, page_size=4, max_model_len=40, num_pages=N
               capacities=None, eos=(), sps=None, pipelined=False, **runner_kw):
     max_pages = -(-(max_model_len + L + 1) // page_size)
     num_pages = num_pages or B * max_pages
-    kind = PipelinedMockRunner if pipelined else MockRunner
-    runner = kind(B=B, L=L, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+    runner = MockRunner(B=B, L=L, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
                   capacities=capacities or capacity_buckets(B, L), chunk_sizes=chunk_sizes, **runner_kw)
-    core = EngineCore(runner, scheduler=scheduler, max_batch=B, num_pages=num_pages, page_size=page_size,
-                      max_model_len=max_model_len, eos_token_ids=eos, sps=sps)
+    assert isinstance(runner, Runner)  # the interface the real runner has
+    core = EngineCore(runner, scheduler=scheduler, max_model_len=max_model_len, eos_token_ids=eos, sps=sps,
+                      pipelined=pipelined)
+    assert isinstance(core.scheduler, Scheduler)
     return core, runner
 
 
@@ -458,7 +456,8 @@ def test_pipelined_dspark_reads_confidences_two_passes_old():
     both = [t for t, rec in enumerate(runner.passes) if rec.R == 2 and not rec.plain]
     assert core.stats["chained_steps_total"] > 5
     for t in both:
-        if t >= 2 and runner.passes[t - 2].R == 2 and runner.passes[t - 1].R == 2 and runner.passes[t].budget:
+        if (t >= 2 and runner.passes[t - 2].R == 2 and not runner.passes[t - 2].plain  # (a plain pass drafts
+                and runner.passes[t - 1].R == 2 and runner.passes[t].budget):  # nothing: no confidences)
             assert runner.passes[t].budget == 2 * ((t - 2) % 4), (t, runner.passes[t].budget)
 
 
@@ -787,14 +786,17 @@ def test_dspark_budget_uses_confidence_from_two_passes_earlier():
     passes = runner.passes[:8]
     assert [rec.R for rec in passes] == [1, 2, 2, 2, 2, 2, 2, 2]
     # t:        0  1  2      3      4      5      6      7
-    # K from:   -  -  (0,·0) (1,3)  (2,4)  (3,0)  (4,1)  (0,2)    ← pass t−2's counts (current ones differ);
-    #                 ·0: r2 was not in pass 0, whose mean row (r1's alone) has 0 candidates
-    assert [rec.budget for rec in passes] == [4, 8, 0, 4, 6, 3, 5, 2]
+    # K from:   -  -  (0,·0) (1,3)  (1,3)  (3,0)  (4,1)  (0,2)    ← the newest drafting pass ≤ t−2's counts
+    #                 ·0: r2 was not in pass 0, whose mean row (r1's alone) has 0 candidates: K = 0, so pass 2
+    #                 is a plain step (no draft pass, no confidences) and pass 4 reads pass 1's
+    assert [rec.budget for rec in passes] == [4, 8, None, 4, 4, 3, 5, 2]
+    assert [rec.plain for rec in passes] == [False, False, True] + [False] * 5
     # ℓ = top-K of the *current* survival, slot 0 first on ties: min(K, c0), then min(K − ℓ0, c1).
     assert [(rec.ell[1], rec.ell.get(2, 0)) for rec in passes] == [
-        (0, 0), (1, 3), (0, 0), (3, 0), (4, 1), (0, 2), (1, 3), (2, 0)]
+        (0, 0), (1, 3), (0, 0), (3, 0), (4, 0), (0, 2), (1, 3), (2, 0)]
     assert [rec.capacity for rec in passes] == [8, 10, 2, 8, 8, 8, 8, 4]  # smallest bucket ≥ R + K
-    assert all(not rec.host_drafted and rec.want_confidence and rec.lengths_arg is None for rec in passes)
+    assert all(not rec.host_drafted and rec.want_confidence and rec.lengths_arg is None
+               for rec in passes if not rec.plain)
     drain(core, out)
     for rid, prompt in (("r1", [10, 11]), ("r2", [20, 21])):
         assert out.tokens(rid) == continuation(prompt, 50)[0]
@@ -817,8 +819,7 @@ def test_dspark_takes_plain_steps_when_the_cost_model_says_drafts_do_not_pay():
     beats (R + Σa) · 1, so the engine runs plain steps (no draft pass, ℓ = 0) once stale confidences exist,
     drafting again after PROBE_EVERY plain steps to refresh them, then after twice as many while drafts still
     do not pay; outputs stay exact. With the plain step as slow as a speculative one, it always drafts."""
-    from serve.engine import PROBE_EVERY
-    from serve.scheduler import SpsTable
+    from serve.scheduler import PROBE_EVERY, SpsTable
 
     def run(plain_sps):
         core, runner = make_core("dspark", B=2, L=4, max_model_len=96,
@@ -873,7 +874,7 @@ def test_dspark_prices_drafts_by_what_they_deliver(pipelined):
     assert max(spec) > 20, spec  # the re-test once the evidence has decayed (red without `tick`)
     # The evidence is exactly the speculative passes after the first two (no stale confidences yet): probes
     # (budget 0) and plain steps add nothing. 4 positions at survival 0.9^k each, nothing accepted.
-    cal = core._calibration
+    cal = core.scheduler.calibration
     assert cal.accepted == 0 and 0 < cal.predicted <= 3.1 * (len(spec) - 2) + 1e-6, (cal.predicted, spec)
     assert core.metrics()["draft_gain_ratio"] < 0.5
     core, spec = run(None)  # every draft accepted: ρ stays ≥ 1 and every step speculates
@@ -901,8 +902,7 @@ def test_dspark_never_drafts_for_an_empty_budget():
     """Confidences of 0 give the capacity search K = 0, and a plain step priced like the full step it is a part
     of (the table a noisy profile can give): the tie takes the plain step. Before, Θ_plain had to beat Θ_0
     strictly, so every step drafted a block and verified none of it (session 11: 91% of c = 1 steps)."""
-    from serve.engine import PROBE_EVERY
-    from serve.scheduler import SpsTable
+    from serve.scheduler import PROBE_EVERY, SpsTable
 
     core, runner = make_core("dspark", B=2, L=4, max_model_len=96,
                              conf=lambda t, s, seed, rnd: np.zeros(4, np.float32))

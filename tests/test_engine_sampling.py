@@ -229,7 +229,7 @@ def test_logprobs_equal_the_targets_log_softmax(models, runner, scheduler):
     core = _core(runner, scheduler, plain=1.2 if scheduler == "dspark" else None)
     # Confidences taken at their word (a prior no evidence moves), so dspark keeps drafting deep enough to reach
     # every kind of token below; the tiny drafter over-promises, and priced by what it delivers it would not.
-    core._calibration = GainCalibration(prior=1e12)
+    core.scheduler.calibration = GainCalibration(prior=1e12)
     prompts = [PROMPT, [4], [7, 7, 2, 6, 1, 0, 5, 3, 2, 4, 6, 1], [2, 5, 5]]  # 1 or 2 prefill chunks
     greedy = {"temperature": 0.0}
     waves = [  # logprobs=None: none reported; 0: the token's own only; 20 > V: all V alternatives

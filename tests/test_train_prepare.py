@@ -145,3 +145,57 @@ def test_features_are_incremental(tiny, tmp_path, monkeypatch):
     lse = jax.nn.logsumexp(tiny.module().head(h), axis=-1)
     np.testing.assert_allclose(rec["lse"], np.asarray(lse), rtol=1e-5, atol=1e-5)
     assert rec["feats"].shape == (len(rec["tokens"]), 2 * tiny.config.hidden_size)
+
+
+def test_greedy_rows_of_a_sampling_run_equal_target_only_greedy(tiny):
+    """A sampling run with every other prompt marked greedy: those rows equal greedy target-only decoding
+    exactly, and the sampled rows equal the same run's without greedy rows (each keeps its own stream)."""
+    prompts = _prompts(9, seed=1)
+    want = dspark_jax.generate(tiny, prompts, max_new_tokens=12, temperature=0.0, ignore_eos=False).tokens
+    got, plain = {}, {}
+    s = SlotSettings(batch=4, capacity=64, max_new_tokens=12, temperature=8.0, top_p=1.0)  # far from greedy
+    run = dict(settings=s, seed=0, eos_ids=tiny.eos_token_ids)
+    generate_slots(tiny, list(enumerate(prompts)), on_done=got.__setitem__, greedy=lambda i: i % 2 == 0, **run)
+    generate_slots(tiny, list(enumerate(prompts)), on_done=plain.__setitem__, **run)
+    assert all(got[i] == want[i] for i in range(0, 9, 2))
+    assert all(got[i] == plain[i] for i in range(1, 9, 2))
+    assert any(got[i] != want[i] for i in range(1, 9, 2))
+
+
+def test_prepare_with_magpie_queries_and_a_greedy_share(tiny, tmp_path, monkeypatch):
+    """Magpie queries join the plan as magpie_<domain>, are kept in magpie.jsonl (a rerun reads them back rather
+    than asking the target again), and a seeded share of the records is greedy (temperature 0 in the record)."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from train import magpie
+    from train.prepare import MAGPIE_FILE, prepare
+
+    calls = []
+
+    def fake_magpie(target, n, *, seed, banned=(), **kw):
+        calls.append(n)
+        return [("code", f"magpie query {seed} {i} about code") for i in range(n)]
+
+    monkeypatch.setattr(datasets, "load_prompts", _fake_prompts)
+    monkeypatch.setattr(magpie, "magpie_prompts", fake_magpie)
+    tokenize = lambda text: [3 + (ord(c) % 120) for c in text]  # noqa: E731
+    kw = dict(target_spec="tiny", per_domain={"chat": 6}, max_prompt_tokens=60, max_new_tokens=6, batch_size=4,
+              temperature=1.0, top_p=1.0, part_size=8, seed=0, target=tiny, tokenize=tokenize, progress=False,
+              magpie=10, greedy_share=0.5)
+    meta = prepare(str(tmp_path / "a"), **kw)
+    assert meta["complete"] and meta["examples"].get("magpie_code", 0) > 0 and meta["sampling"]["greedy_share"] == 0.5
+    lines = (tmp_path / "a" / MAGPIE_FILE).read_text().splitlines()
+    assert len(lines) == 10 and calls == [10]
+    temps = []
+    for path in sorted(glob.glob(str(tmp_path / "a" / "shard-*.array_record"))):
+        r = ArrayRecordReader(path)
+        temps += [json.loads(x)["temperature"] for x in r.read_all()]
+        r.close()
+    assert set(temps) == {0.0, 1.0}
+    # A directory with the queries already written reuses them; other settings are refused as before.
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / MAGPIE_FILE).write_text("\n".join(lines[:4]) + "\n[\"code\", \"cut off")
+    prepare(str(tmp_path / "b"), **kw)
+    assert calls == [10, 6]  # topped up from the 4 whole lines
+    with pytest.raises(ValueError, match="greedy_share"):
+        prepare(str(tmp_path / "c"), **{**kw, "greedy_share": 1.5})

@@ -6,6 +6,7 @@
   calibrate  sequential temperature scaling of a DSpark drafter's confidence head on held-out data
   eval       τ per domain and position-wise conditional acceptance (paper Fig. 2) for a set of drafters
   launch     run `fit` as N processes of one multi-process JAX runtime (one global mesh; see train/launch.py)
+  vocab      size a draft vocabulary from the target's T = 1 mass on prepared T = 1 text; report its outside mass
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import sys
 def _prepare(args) -> None:
     from train.prepare import prepare
 
-    per_domain = {"chat": args.chat, "code": args.code, "math": args.math}
+    per_domain = {"chat": args.chat, "code": args.code, "math": args.math, "chat_turns": args.chat_turns}
     meta = prepare(args.out, target_spec=args.target, per_domain={k: v for k, v in per_domain.items() if v > 0},
                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                   part_size=args.part_size, seed=args.seed)
+                   part_size=args.part_size, seed=args.seed, magpie=args.magpie, greedy_share=args.greedy_share)
     print(json.dumps({k: v for k, v in meta.items() if k not in ("shards", "settings")}, indent=2))
     if args.features:
         _features(args)
@@ -77,6 +78,42 @@ def _eval(args) -> None:
     eval_cli(args)
 
 
+def _vocab(args) -> None:
+    import numpy as np
+
+    from dspark_jax.target import load_target
+    from train.vocab import _write_json, outside_mass, read_records, select_by_mass, target_mass
+
+    target = load_target(args.target)
+    records = read_records(args.text)
+    if len(records) < 2:
+        raise ValueError(f"--text {args.text}: {len(records)} record(s); need some to rank on and some to measure on")
+    halves = {"fit": records[0::2], "held_out": records[1::2]}  # rank on one half, measure on the other
+    mass = {name: target_mass(target, recs, batch=args.batch) for name, recs in halves.items()}
+    (fit_mass, _), (held_mass, held_pos) = mass["fit"], mass["held_out"]
+    ids, outside = select_by_mass(fit_mass, held_mass, held_pos, max_outside=args.max_outside,
+                                  multiple=args.multiple, always=target.eos_token_ids)
+    report = {"text": args.text, "records": {k: len(v) for k, v in halves.items()},
+              "positions": {k: m[1] for k, m in mass.items()}, "max_outside": args.max_outside,
+              "chosen": {"size": len(ids), "outside_mass_held_out": round(outside, 5)}, "compared": {},
+              "curve": {}}
+    for path in args.compare:
+        with open(path) as f:
+            other = json.load(f)["ids"]
+        report["compared"][path] = {"size": len(other),
+                                    "outside_mass_held_out": round(outside_mass(other, held_mass, held_pos), 5)}
+    order = np.lexsort((np.arange(len(fit_mass)), -fit_mass))
+    for n in (1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768):  # outside mass against size, ranked by mass
+        if n <= len(order):
+            report["curve"][n] = round(outside_mass(order[:n], held_mass, held_pos), 5)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        _write_json(args.out, {"size": len(ids), "outside_mass": round(outside, 6), "data": args.text,
+                               "ids": list(ids)})
+    if args.report:
+        _write_json(args.report, report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--chat", type=int, default=480, help="ShareGPT training prompts")
     pr.add_argument("--code", type=int, default=240, help="code training prompts")
     pr.add_argument("--math", type=int, default=240, help="GSM-style math training prompts")
+    pr.add_argument("--chat-turns", type=int, default=0, help="ShareGPT later-turn training prompts")
+    pr.add_argument("--magpie", type=int, default=0,
+                    help="queries the target writes itself from its chat template's pre-query prefix (Magpie)")
+    pr.add_argument("--greedy-share", type=float, default=0.0,
+                    help="share of prompts answered greedily (T = 0) instead of at --temperature")
     pr.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer chat-templated prompts")
     pr.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     pr.add_argument("--batch-size", type=int, default=64, help="decode slots (prompts decoded together)")
@@ -176,6 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for eval.json and the PNG curves (default: reports/<today>/eval)")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_eval)
+
+    v = sub.add_parser("vocab", help="size a draft vocabulary by the target's T = 1 mass (train/vocab.py)",
+                       description="Ranks tokens by the target's T = 1 probability mass summed over the response "
+                       "positions of half the records of --text, and picks the smallest size (a multiple of "
+                       "--multiple) whose outside mass on the other half is at most --max-outside.")
+    v.add_argument("--text", required=True, help="prepared shards of T = 1 text (`prepare --temperature 1`)")
+    v.add_argument("--target", default="smollm2-135m-instruct", help="target name, HF directory or .gguf file")
+    v.add_argument("--max-outside", type=float, default=0.02, help="bound on the held-out outside mass")
+    v.add_argument("--multiple", type=int, default=256, help="the size is a multiple of this")
+    v.add_argument("--compare", action="append", default=[], metavar="JSON",
+                   help="a draft-vocabulary file ({\"ids\": [...]}) whose outside mass to report too (repeatable)")
+    v.add_argument("--batch", type=int, default=4, help="sequences per target forward")
+    v.add_argument("--out", default=None, help="write the chosen vocabulary here (draft_vocab.json format)")
+    v.add_argument("--report", default=None, help="write the numbers here (JSON)")
+    v.set_defaults(func=_vocab)
     return p
 
 

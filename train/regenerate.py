@@ -11,10 +11,12 @@ Here:
   * top-p is exact without a full sort: the `CANDIDATES` most likely tokens (`lax.top_k`) carry ≥ top_p of
     the mass for every row in practice at T = 0.2; a row whose candidates do not reach top_p sends the whole
     step through the exact full-sort filter of dspark_jax.sampling (a `lax.cond`, never silently truncated);
+  * a row may be greedy (T = 0) while the others sample (`greedy` [B]: argmax instead of the draw), so one run
+    writes T = 1 data with a T = 0 share;
   * row streams are keyed by the prompt's global index, `fold_in(fold_in(key(seed), index), step)`, so a
     prompt's response does not depend on which slot or batch it ran in (resuming is reproducible).
 
-Shapes: cache [B, K, C, H] per layer; anchors, steps, live [B]; prefill tokens [b, Tb] with b ≤ B.
+Shapes: cache [B, K, C, H] per layer; anchors, steps, live, greedy [B]; prefill tokens [b, Tb] with b ≤ B.
 """
 
 from __future__ import annotations
@@ -125,9 +127,10 @@ class SlotDecoder:
     def init_cache(self):
         return self.target.init_cache(self.s.batch, self.s.capacity)
 
-    def _prefill_fn(self, params, cache, tokens, lengths, rows, indices):
+    def _prefill_fn(self, params, cache, tokens, lengths, rows, indices, greedy):
         """Prefills prompts tokens [b, Tb] (lengths [b]) into slots `rows` [b] (B = padding, dropped) and samples
-        each one's first token (step 0 of stream `indices` [b]). Returns (cache, first tokens [b])."""
+        each one's first token (step 0 of stream `indices` [b]; argmax where `greedy` [b]). Returns (cache, first
+        tokens [b])."""
         self.traces["prefill"] += 1
         model = nnx.merge(self.target.graphdef, params)
         b, Tb = tokens.shape
@@ -135,21 +138,23 @@ class SlotDecoder:
         h, small, _ = model(tokens, small, lengths, compute_logits=False, kernels="auto")
         logits = model.head(h[jnp.arange(b), lengths - 1])
         keys = jax.vmap(lambda i: row_key(self.base, i, 0))(indices)
-        first = sample_top_p(logits, keys, self.s.temperature, self.s.top_p)
+        first = _maybe_greedy(logits, sample_top_p(logits, keys, self.s.temperature, self.s.top_p), greedy)
         put = lambda big, new: big.at[rows, :, :Tb].set(new.astype(big.dtype), mode="drop")  # noqa: E731
         cache = cache.replace(k=tuple(map(put, cache.k, small.k)), v=tuple(map(put, cache.v, small.v)),
                               lengths=cache.lengths.at[rows].set(lengths, mode="drop"))
         return cache, first
 
-    def _step_fn(self, params, cache, anchor, indices, steps, live):
-        """Feeds anchors [B] of live slots (dead slots do not advance) and samples the next tokens [B]."""
+    def _step_fn(self, params, cache, anchor, indices, steps, live, greedy):
+        """Feeds anchors [B] of live slots (dead slots do not advance) and samples the next tokens [B] (argmax
+        where `greedy` [B])."""
         self.traces["step"] += 1
         model = nnx.merge(self.target.graphdef, params)
         logits, cache, _ = model(anchor[:, None], cache, live.astype(jnp.int32), kernels="auto")
         keys = jax.vmap(lambda i, t: row_key(self.base, i, t))(indices, steps)
-        return cache, sample_top_p(logits[:, 0], keys, self.s.temperature, self.s.top_p)
+        return cache, _maybe_greedy(logits[:, 0], sample_top_p(logits[:, 0], keys, self.s.temperature, self.s.top_p),
+                                    greedy)
 
-    def prefill(self, cache, prompts: list[list[int]], rows: list[int], indices: list[int]):
+    def prefill(self, cache, prompts: list[list[int]], rows: list[int], indices: list[int], greedy=None):
         """Host wrapper: pads to the row and length buckets, returns (cache, first tokens as numpy [len(rows)])."""
         B = self.s.batch
         b = next(n for n in (max(1, B // 8), max(1, B // 4), max(1, B // 2), B) if n >= len(prompts))
@@ -158,30 +163,33 @@ class SlotDecoder:
         lens = np.ones(b, np.int32)
         slot = np.full(b, B, np.int32)  # padding rows scatter to slot B: dropped
         idx = np.zeros(b, np.int32)
+        grd = np.zeros(b, bool)
+        grd[: len(prompts)] = False if greedy is None else greedy
         for j, (p, r, i) in enumerate(zip(prompts, rows, indices, strict=True)):
             toks[j, : len(p)], lens[j], slot[j], idx[j] = p, len(p), r, i
         cache, first = self._prefill(self.target.params, cache, jnp.asarray(toks), jnp.asarray(lens),
-                                     jnp.asarray(slot), jnp.asarray(idx))
+                                     jnp.asarray(slot), jnp.asarray(idx), jnp.asarray(grd))
         return cache, np.asarray(first)[: len(prompts)]
 
-    def step(self, cache, anchor, indices, steps, live):
+    def step(self, cache, anchor, indices, steps, live, greedy=None):
+        greedy = np.zeros(len(live), bool) if greedy is None else greedy
         cache, nxt = self._step(self.target.params, cache, jnp.asarray(anchor, jnp.int32),
                                 jnp.asarray(indices, jnp.int32), jnp.asarray(steps, jnp.int32),
-                                jnp.asarray(live))
+                                jnp.asarray(live), jnp.asarray(greedy))
         return cache, np.asarray(nxt)
 
 
 def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings: SlotSettings, seed: int,
                    eos_ids: Iterable[int], on_done: Callable[[int, list[int]], None],
                    refill_fraction: float = 0.125, stats: dict | None = None,
-                   decoder: SlotDecoder | None = None) -> None:
+                   decoder: SlotDecoder | None = None, greedy: Callable[[int], bool] | None = None) -> None:
     """Samples a response for every (global index, prompt ids) of `prompts`, calling on_done(index, response)
     as each finishes (any order). A response stops at and includes an EOS token, or at max_new_tokens.
 
     Slots are refilled once at least `refill_fraction`·B of them are free (or when no row is live), so
     prefill runs on sub-batches rather than one prompt at a time. `stats` (if given) receives step and token
     counts, seconds and trace counts. `decoder` reuses an existing SlotDecoder (its compiled steps) of the same
-    settings and seed.
+    settings and seed. `greedy(index)` True decodes that prompt at T = 0 (argmax) instead of sampling.
     """
     s = settings
     B = s.batch
@@ -197,6 +205,7 @@ def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings
     index = np.zeros(B, np.int32)
     steps = np.zeros(B, np.int32)
     live = np.zeros(B, bool)
+    row_greedy = np.zeros(B, bool)
     out: list[list[int]] = [[] for _ in range(B)]
     n_steps = n_tokens = n_prefill = 0
     t0 = time.perf_counter()
@@ -226,10 +235,11 @@ def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings
             take = min(len(free), len(pending))
             batch, pending = pending[:take], pending[take:]
             rows = [int(r) for r in free[:take]]
-            cache, first = dec.prefill(cache, [p for _, p in batch], rows, [i for i, _ in batch])
+            g = [bool(greedy(i)) if greedy is not None else False for i, _ in batch]
+            cache, first = dec.prefill(cache, [p for _, p in batch], rows, [i for i, _ in batch], g)
             n_prefill += 1
-            for r, (i, _), tok in zip(rows, batch, first, strict=True):
-                index[r], steps[r], live[r], out[r] = i, 0, True, []
+            for r, (i, _), tok, gr in zip(rows, batch, first, g, strict=True):
+                index[r], steps[r], live[r], out[r], row_greedy[r] = i, 0, True, [], gr
                 push(r, int(tok))
             n_tokens += take
         if not live.any():
@@ -237,7 +247,7 @@ def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings
                 break
             continue
         steps[live] += 1
-        cache, nxt = dec.step(cache, anchor_of(out, live, anchor), index, steps, live)
+        cache, nxt = dec.step(cache, anchor_of(out, live, anchor), index, steps, live, row_greedy)
         n_steps += 1
         for r in np.flatnonzero(live):
             push(int(r), int(nxt[r]))
@@ -245,6 +255,11 @@ def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings
     if stats is not None:
         stats.update(steps=n_steps, prefills=n_prefill, tokens=n_tokens, seconds=time.perf_counter() - t0,
                      traces=dict(dec.traces))
+
+
+def _maybe_greedy(logits, sampled, greedy):
+    """`sampled` [B] where a row samples, the argmax of its logits [B, V] where `greedy` [B]."""
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
 
 
 def anchor_of(out: list[list[int]], live: np.ndarray, anchor: np.ndarray) -> np.ndarray:

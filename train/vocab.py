@@ -1,5 +1,15 @@
 """Choosing a reduced draft vocabulary from the regenerated training data (dspark_jax/draft_vocab.py).
 
+Two ways to choose, and one number that judges either:
+  * by counts (`response_token_counts`, `select`): the `size` most frequent response tokens — what runs use by
+    default (`drafter.draft_vocab_size`);
+  * by mass (`target_mass`, `select_by_mass`): rank tokens by the target's own probability mass summed over the
+    response positions of T = 1 text, and take the smallest size whose *outside mass* on held-out T = 1 text
+    is at most a bound (2%);
+  * the outside mass (`outside_mass`): the target's T = 1 probability on tokens outside the subset, averaged
+    over held-out response positions. The draft puts no mass there, so 1 − outside mass caps c*_k at every draft
+    position (at T = 1; T = 0 only loses positions whose argmax is outside). `python -m train vocab` reports it.
+
 The drafter only ever needs to propose what the target emits, so the subset is the `size` most frequent
 response tokens of the prepared shards (ties broken by token id, so the choice is deterministic), plus the
 target's EOS ids (a draft must be able to end a response). `coverage` is the fraction of response tokens the
@@ -79,3 +89,80 @@ def _write_json(path, obj) -> None:
     tmp = path.parent / (path.name + ".tmp")
     tmp.write_text(json.dumps(obj))
     tmp.replace(path)
+
+
+# ---- by the target's T = 1 mass ------------------------------------------------------------------------------------
+def read_records(data_dir) -> list[dict]:
+    """Every decoded record of the prepared shards under `data_dir`, in shard order."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from train.data import shard_files
+
+    out = []
+    for path in shard_files(data_dir):
+        reader = ArrayRecordReader(path)
+        out += [decode_record(raw) for raw in reader.read_all()]
+        reader.close()
+    return out
+
+
+def target_mass(target, records: list[dict], batch: int = 4, progress: bool = True) -> tuple[np.ndarray, int]:
+    """(float64 [V]: Σ over the records' response positions of the target's T = 1 distribution p(· | prefix),
+    the number of those positions). Position t counts when it predicts a response token (t + 1 ≥ prompt_len)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    from dspark_jax.decoding import round_up
+    from dspark_jax.drafter_model import TargetHead
+    from train.distill import target_features
+
+    tied = target.config.tie_word_embeddings
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def mass(graphdef, params, tokens, mask):  # tokens [B, T], mask [B, T] → [V]
+        hidden, _ = target_features(nnx.merge(graphdef, params), tokens, (0,))
+        p = jax.nn.softmax(TargetHead.from_params(params, tied).logits(hidden).astype(jnp.float32), axis=-1)
+        return jnp.einsum("BT,BTV->V", mask.astype(jnp.float32), p)
+
+    total, positions = np.zeros(target.config.vocab_size, np.float64), 0
+    for i in tqdm(range(0, len(records), batch), desc="target mass", disable=not progress):
+        recs = records[i : i + batch]
+        T = round_up(max(len(r["tokens"]) for r in recs), 64)  # few shapes, few compiles
+        tokens, mask = np.zeros((batch, T), np.int32), np.zeros((batch, T), bool)
+        for b, r in enumerate(recs):
+            n, p = len(r["tokens"]), r["prompt_len"]
+            tokens[b, :n] = r["tokens"]
+            mask[b, max(p - 1, 0) : n - 1] = True
+        total += np.asarray(mass(target.graphdef, target.params, tokens, mask), np.float64)
+        positions += int(mask.sum())
+    return total, positions
+
+
+def outside_mass(ids, mass: np.ndarray, positions: int) -> float:
+    """The target's mean probability outside the subset `ids` over `positions` positions whose summed
+    distributions are `mass` [V]."""
+    return float(1.0 - mass[np.asarray(ids, np.int64)].sum() / max(positions, 1))
+
+
+def select_by_mass(fit_mass: np.ndarray, heldout_mass: np.ndarray, heldout_positions: int, *,
+                   max_outside: float = 0.02, multiple: int = 256, always=()) -> tuple[tuple[int, ...], float]:
+    """The smallest subset (a multiple of `multiple` tokens, `always` included) of the tokens ranked by `fit_mass`
+    whose outside mass on the held-out positions is ≤ `max_outside`; (sorted ids, that outside mass).
+    Ranking on one half and measuring on the other keeps the reported mass honest (a subset chosen and
+    scored on the same text looks better than it is)."""
+    if not 0 < max_outside < 1:
+        raise ValueError(f"max_outside must be in (0, 1), got {max_outside}")
+    always = sorted({int(t) for t in always})
+    order = np.lexsort((np.arange(len(fit_mass)), -fit_mass))
+    ranked = np.array(always + [int(t) for t in order if int(t) not in set(always)])
+    covered = np.cumsum(heldout_mass[ranked]) / max(heldout_positions, 1)  # covered[n − 1]: the first n tokens
+    for n in range(multiple, len(ranked) + multiple, multiple):
+        n = min(n, len(ranked))
+        if 1.0 - covered[n - 1] <= max_outside or n == len(ranked):
+            ids = tuple(sorted(int(t) for t in ranked[:n]))
+            return ids, outside_mass(ids, heldout_mass, heldout_positions)
+    raise AssertionError("unreachable: the whole vocabulary has no outside mass")

@@ -1,0 +1,109 @@
+"""The drafter factory (train/factory.py, scripts/drafter_factory.py) end to end on a tiny random target on the
+CPU: prompts, data, DSpark + EAGLE-3 trained on shared batches, held-out c*, flat files within the
+device run's limits, reassembled into drafters that load and decode losslessly (greedy speculative output ==
+target-only), and the byte-part split/join the target travels in."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+
+import pytest
+
+import dspark_jax
+from train import factory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("drafter_factory", ROOT / "scripts" / "drafter_factory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny llama HF directory whose tokenizer (word level) has a ChatML-shaped template."""
+    import transformers
+    from conftest import make_hf_model, save_word_tokenizer
+
+    d = tmp_path_factory.mktemp("factory-model")
+    make_hf_model("llama", tied=True).save_pretrained(d, safe_serialization=True)
+    save_word_tokenizer(d)
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    tok.chat_template = "t5 t6 t2 {% for m in messages %}t3 {{ m['content'] }} t2 {% endfor %}t4 "
+    tok.save_pretrained(str(d))
+    return d
+
+
+def test_factory_end_to_end(model_dir, tmp_path):
+    out, dest = tmp_path / "out", tmp_path / "drafters"
+    script = _script()
+    script.main(["run", "--target", str(model_dir), "--dtype", "float32", "--out", str(out), "--minutes", "2",
+                 "--kinds", "dspark", "eagle3", "--magpie", "12", "--docstrings", "40",
+                 "--max-query-tokens", "16", "--max-prompt-tokens", "48", "--gen-tokens", "1500",
+                 "--gen-batch", "16", "--max-new-tokens", "24", "--seq-len", "64", "--batch-sequences", "4",
+                 "--anchors-per-seq", "4", "--train-steps", "12", "--dspark-layers", "1", "--dflash-layers", "1",
+                 "--markov-rank", "8", "--heldout-share", "0.25", "--lr", "0.01"])
+    files = sorted(os.listdir(out))
+    assert len(files) <= factory.MAX_FILES and factory.METRICS_FILE in files and factory.LOG_FILE in files
+    assert all((out / f).is_file() and (out / f).stat().st_size <= factory.MAX_FILE_BYTES for f in files)
+    metrics = json.loads((out / factory.METRICS_FILE).read_text())
+    assert metrics["data"]["response_tokens"] > 0 and metrics["train"]["steps"] == 12
+    for kind in ("dspark", "eagle3"):
+        held = metrics["heldout_acceptance"][kind]
+        assert len(held["t1"]) == 7 and all(0 <= c <= 1 for c in held["t1"])
+        assert len(metrics["train"]["history"][kind]) >= 1
+    script.main(["assemble", str(out), str(dest)])
+
+    from dspark_jax.target import load_target
+
+    target = load_target(str(model_dir))
+    prompts = [[5, 6, 2, 3, 40, 41, 42]]
+    plain = dspark_jax.generate(target, prompts, max_new_tokens=12, ignore_eos=True).tokens
+    for kind in ("dspark", "eagle3"):
+        d = dspark_jax.load_drafter(str(dest / kind), target)
+        assert d.config.kind == kind
+        spec = dspark_jax.generate(target, prompts, drafter=d, max_new_tokens=12, ignore_eos=True).tokens
+        assert spec == plain, kind
+
+
+def test_split_and_join_parts(tmp_path):
+    blob = os.urandom(100_003)
+    (tmp_path / "model.gguf").write_bytes(blob)
+    info = factory.split_file(str(tmp_path / "model.gguf"), str(tmp_path / "parts"), part_bytes=40_000)
+    assert info["parts"] == ["model.gguf.part0", "model.gguf.part1", "model.gguf.part2"]
+    parts = [str(tmp_path / "parts" / p) for p in info["parts"]]
+    joined = factory.join_parts(parts, str(tmp_path / "joined.gguf"), info["sha256"])
+    assert pathlib.Path(joined).read_bytes() == blob
+    with pytest.raises(ValueError, match="checksum"):
+        factory.join_parts(parts[::-1], str(tmp_path / "bad.gguf"), info["sha256"])
+    assert not (tmp_path / "bad.gguf").exists()
+
+
+def test_planned_files_fit_the_smollm2_shapes():
+    """The default drafters of SmolLM2's shape (full vocabulary) fit one run's 8 files of ≤ 16 MiB."""
+    from dspark_jax.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                   num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                   rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                                   max_position_embeddings=8192, eos_token_id=2, bos_token_id=1))
+
+    class Shape:
+        config = cfg
+
+    files = factory.planned_files(factory.drafter_configs(Shape, factory.FactorySettings(
+        kinds=("dspark", "eagle3", "dflash"))))
+    assert sum(files.values()) <= factory.MAX_FILES, files
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="kinds"):
+        factory.FactorySettings(kinds=("medusa",))
+    with pytest.raises(ValueError, match="leave time"):
+        factory.FactorySettings(prompt_share=0.5, data_share=0.3, train_share=0.3)

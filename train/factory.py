@@ -1,0 +1,414 @@
+"""The drafter factory: data, training and held-out evaluation of several drafters in one timed run, for a
+machine that is lent for minutes, reaches nothing and returns a few flat files (scripts/drafter_factory.py).
+
+Phases, each stopped by the clock (`Budget`: shares of `minutes`):
+  1. prompts   — Magpie queries written by the target itself (train/magpie.py) plus Python-docstring prompts
+                 (train/datasets.py's stdlib pool: local files, no network);
+  2. data      — responses from the batched slot decoder (train/regenerate.py), T = `temperature` for most, T = 0
+                 for a seeded `greedy_share`; a seeded `heldout_share` of the sequences is kept out of training;
+  3. training  — every drafter kind on the *same* batches: one frozen target forward per batch
+                 (`distill.target_features`: final hidden [S, T, D] and the drafters' feature layers
+                 [S, T, m·D]) feeds each drafter's `distill.make_train_step` (the precomputed-features path of
+                 its loss), so the target's cost is paid once for all of them;
+  4. held-out  — teacher-forced c*_k per block position (`distill.make_loss_fn`'s `acceptance`: the expected
+                 acceptance 1 − ½‖p_d − p_t‖₁) on the held-out T = 1 and T = 0 sequences.
+Outputs, flat in `out_dir` (at most `MAX_FILES` files, each ≤ `MAX_FILE_BYTES`): each drafter's bf16
+`model.safetensors` cut into byte parts `<kind>.model.safetensors.partK` (`split_file`), `metrics.json` (the
+drafters' configs, part checksums, data and step counts, throughput, held-out c*) and `factory.log`.
+`assemble(out_dir, dest)` joins the parts into ordinary drafter directories `dest/<kind>/` for `load_drafter`.
+
+Shapes: training batch tokens int32 [S, T] (right-padded windows of prompt + response), lengths [S],
+anchors [S, A].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+MAX_FILES = 8  # what one device run brings back
+MAX_FILE_BYTES = 16 * 2**20
+PART_BYTES = 15 * 2**20  # byte parts of a large file, under MAX_FILE_BYTES
+METRICS_FILE, LOG_FILE = "metrics.json", "factory.log"
+
+
+# ---- byte parts: a file too large to carry (the GGUF) or to bring back (a drafter) -------------------------
+def split_file(path: str, out_dir: str, part_bytes: int = PART_BYTES, name: str | None = None) -> dict:
+    """Cuts `path` into `<name>.part0`, `.part1`, … of ≤ part_bytes in `out_dir`; returns
+    {"name", "size", "sha256", "parts": [file names]} (what `join_parts` checks)."""
+    if part_bytes < 1:
+        raise ValueError(f"{part_bytes=} must be positive")
+    name = name or os.path.basename(path)
+    os.makedirs(out_dir, exist_ok=True)
+    digest, parts, size = hashlib.sha256(), [], 0
+    with open(path, "rb") as f:
+        while chunk := f.read(part_bytes):
+            part = f"{name}.part{len(parts)}"
+            with open(os.path.join(out_dir, part), "wb") as out:
+                out.write(chunk)
+            digest.update(chunk)
+            parts.append(part)
+            size += len(chunk)
+    return {"name": name, "size": size, "sha256": digest.hexdigest(), "parts": parts}
+
+
+def join_parts(parts: list[str], dest: str, sha256: str | None = None) -> str:
+    """Concatenates the part files in order into `dest` (written beside, then renamed); checks the whole
+    file's sha256 when given. Returns dest."""
+    digest = hashlib.sha256()
+    tmp = dest + ".tmp"
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if sha256 is not None and digest.hexdigest() != sha256:
+        os.remove(tmp)
+        raise ValueError(f"the joined parts {parts} do not match their checksum: a part is missing, stale or "
+                         f"out of order (sha256 {digest.hexdigest()[:12]}…, want {sha256[:12]}…)")
+    os.replace(tmp, dest)
+    return dest
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FactorySettings:
+    """One factory run (static numbers only; the target comes separately)."""
+
+    minutes: float = 9.0  # the whole run, loading excluded; phases get the shares below
+    prompt_share: float = 0.12
+    data_share: float = 0.33
+    train_share: float = 0.45  # the rest: held-out evaluation and writing the files
+    kinds: tuple[str, ...] = ("dspark", "eagle3")
+    block_size: int = 7
+    dspark_layers: int = 2
+    dflash_layers: int = 2
+    markov_rank: int = 32
+    magpie: int = 4096  # Magpie queries asked for
+    docstrings: int = 2048  # stdlib docstring prompts
+    max_query_tokens: int = 96
+    gen_tokens: int = 10_000_000  # stop generating after this many response tokens (or at the data deadline)
+    gen_batch: int = 2048  # decode slots
+    max_new_tokens: int = 384
+    max_prompt_tokens: int = 256
+    temperature: float = 1.0
+    greedy_share: float = 0.2
+    heldout_share: float = 0.02
+    seq_len: int = 512  # T of a training window
+    batch_sequences: int = 64  # S
+    anchors_per_seq: int = 16  # A
+    train_steps: int = 2000  # the schedule's length; the train deadline may stop it sooner
+    lr: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.prompt_share + self.data_share + self.train_share >= 1.0:
+            raise ValueError("prompt_share + data_share + train_share must leave time for evaluation (< 1)")
+        bad = sorted(set(self.kinds) - {"dspark", "eagle3", "dflash"})
+        if bad or not self.kinds:
+            raise ValueError(f"kinds must be some of dspark, eagle3, dflash; got {self.kinds}")
+        if not 0 <= self.greedy_share <= 1 or not 0 < self.heldout_share < 1:
+            raise ValueError(f"{self.greedy_share=} must lie in [0, 1], {self.heldout_share=} in (0, 1)")
+
+
+class Budget:
+    """Deadlines of the phases, from one start time and the shares of `minutes`."""
+
+    def __init__(self, s: FactorySettings, start: float | None = None):
+        self.start = time.monotonic() if start is None else start
+        total = 60.0 * s.minutes
+        self.prompts = self.start + total * s.prompt_share
+        self.data = self.prompts + total * s.data_share
+        self.train = self.data + total * s.train_share
+        self.end = self.start + total
+
+    @staticmethod
+    def left(deadline: float) -> float:
+        return deadline - time.monotonic()
+
+
+def drafter_configs(target, s: FactorySettings) -> dict:
+    """{kind: DrafterConfig}, all reading the same target layers (one shared forward feeds them all)."""
+    from dspark_jax.drafter_config import DrafterConfig
+
+    extra = {"dspark": dict(num_layers=s.dspark_layers, markov_rank=s.markov_rank, anchor_feature=True),
+             "dflash": dict(num_layers=s.dflash_layers), "eagle3": {}}
+    cfgs = {k: DrafterConfig.for_target(target.config, kind=k, block_size=s.block_size, **extra[k])
+            for k in s.kinds}
+    if len({c.target_layers for c in cfgs.values()}) != 1:
+        raise ValueError("the drafters read different target layers: one shared target forward cannot feed them")
+    return cfgs
+
+
+def planned_files(cfgs: dict) -> dict[str, int]:
+    """Files each output takes (bf16 weights in byte parts), checked against MAX_FILES before any work."""
+    from dspark_jax.drafter_model import DrafterModel
+
+    out = {}
+    for kind, cfg in cfgs.items():
+        shapes = nnx.eval_shape(lambda c=cfg: DrafterModel(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        size = sum(x.size * 2 for x in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
+        out[kind] = -(-int(size * 1.01 + 65536) // PART_BYTES)  # + the safetensors header
+    return {**out, METRICS_FILE: 1, LOG_FILE: 1}
+
+
+def collect_prompts(target, s: FactorySettings, budget: Budget, log) -> list[tuple[str, list[int]]]:
+    """(source, chat-templated ids) of the Magpie queries and docstring prompts, ≤ max_prompt_tokens each."""
+    from train import datasets, magpie
+
+    texts = [("docstring", t) for t in datasets.load_prompts("train", "code", s.docstrings, seed=s.seed)]
+    # Magpie in chunks, so the prompt deadline is kept (a chunk runs to its end).
+    banned = set(magpie.eval_prompts())
+    queries: list[tuple[str, str]] = []
+    chunk = max(64, min(s.magpie, s.gen_batch))
+    while len(queries) < s.magpie and Budget.left(budget.prompts) > 0:
+        got = magpie.magpie_prompts(target, min(chunk, s.magpie - len(queries)), seed=s.seed + len(queries),
+                                    batch_size=min(s.gen_batch, chunk), max_query_tokens=s.max_query_tokens,
+                                    banned=banned, max_rounds=1)
+        if not got:
+            break
+        queries += got
+        banned |= {magpie.normalise(q) for _, q in got}
+    log(f"prompts: {len(queries)} Magpie queries, {len(texts)} docstrings")
+    texts += [(f"magpie_{d}", q) for d, q in queries]
+    out = [(src, ids) for src, ids in ((src, target.chat_ids(t)) for src, t in texts)
+           if len(ids) <= s.max_prompt_tokens]
+    order = np.random.default_rng(s.seed).permutation(len(out))
+    return [out[i] for i in order]
+
+
+class _Stop(Exception):
+    pass
+
+
+def generate_data(target, prompts, s: FactorySettings, budget: Budget, log) -> dict:
+    """Responses until gen_tokens or the data deadline: {"sequences": [ids], "prompt_lens", "greedy": bool,
+    "heldout": bool (seeded by index), "response_tokens", "seconds"}."""
+    from train.regenerate import SlotSettings, generate_slots
+
+    rng = np.random.default_rng(s.seed + 1)
+    greedy = rng.random(len(prompts)) < s.greedy_share
+    heldout = rng.random(len(prompts)) < s.heldout_share
+    cap = -(-(max(len(p) for _, p in prompts) + s.max_new_tokens + 1) // 64) * 64
+    settings = SlotSettings(batch=s.gen_batch, capacity=cap, max_new_tokens=s.max_new_tokens,
+                            temperature=s.temperature, top_p=1.0)
+    done: dict[int, list[int]] = {}
+    count = [0]
+    t0 = time.perf_counter()
+
+    def on_done(i, response):
+        done[i] = response
+        count[0] += len(response)
+        if count[0] >= s.gen_tokens or Budget.left(budget.data) <= 0:
+            raise _Stop
+
+    try:
+        generate_slots(target, ((i, p) for i, (_, p) in enumerate(prompts)), settings=settings, seed=s.seed,
+                       eos_ids=target.eos_token_ids, on_done=on_done, greedy=lambda i: bool(greedy[i]))
+    except _Stop:
+        pass
+    dt = time.perf_counter() - t0
+    keep = sorted(i for i, r in done.items() if len(r) >= 2)
+    log(f"data: {len(keep)} sequences, {count[0]} response tokens in {dt:.1f} s ({count[0] / dt:.0f} tokens/s)")
+    return {"sequences": [prompts[i][1] + done[i] for i in keep], "prompt_lens": [len(prompts[i][1]) for i in keep],
+            "greedy": greedy[keep], "heldout": heldout[keep], "response_tokens": count[0], "seconds": dt}
+
+
+def windows(sequences, prompt_lens, seq_len: int):
+    """(tokens int32 [N, T] right-padded, lengths [N], min_anchor [N]): each sequence's first T tokens, kept when
+    its response starts inside them with ≥ 2 tokens (an anchor and its next token)."""
+    rows = [(seq[:seq_len], p) for seq, p in zip(sequences, prompt_lens, strict=True)
+            if min(len(seq), seq_len) - max(p - 1, 1) >= 2]
+    tokens = np.zeros((len(rows), seq_len), np.int32)
+    lengths = np.zeros(len(rows), np.int32)
+    min_anchor = np.zeros(len(rows), np.int32)
+    for j, (seq, p) in enumerate(rows):
+        tokens[j, : len(seq)], lengths[j], min_anchor[j] = seq, len(seq), p - 1
+    return tokens, lengths, min_anchor
+
+
+def make_batch(key, tokens, lengths, min_anchor, s: FactorySettings) -> dict:
+    """S rows drawn with replacement, A anchors each (uniform on [max(1, prompt length − 1), length − 2])."""
+    from train.distill import sample_anchors
+
+    k_rows, k_anchor = jax.random.split(key)
+    rows = jax.random.randint(k_rows, (s.batch_sequences,), 0, tokens.shape[0])
+    lens = jnp.asarray(lengths)[rows]
+    shape = (s.batch_sequences, s.anchors_per_seq)
+    anchors = sample_anchors(k_anchor, jnp.broadcast_to(lens[:, None], shape),
+                             jnp.broadcast_to(jnp.asarray(min_anchor)[rows][:, None], shape))
+    return {"tokens": jnp.asarray(tokens)[rows], "lengths": lens, "anchors": anchors}
+
+
+def shared_features_fn(target, layers: tuple[int, ...]):
+    """Jitted (target params, tokens [S, T]) → the batch's one target forward: (final-normed hidden [S, T, D],
+    feats [S, T, m·D]) for every drafter (the graphdef is closed over: hashing it per call costs ms)."""
+    from train.distill import target_features
+
+    return jax.jit(lambda tparams, tokens: target_features(nnx.merge(target.graphdef, tparams), tokens, layers))
+
+
+def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: Budget, log) -> tuple[dict, dict]:
+    """Trains every drafter on the same batches until train_steps or the train deadline → ({kind: Drafter},
+    stats). The lr schedule spans train_steps (warm-up, cosine to 0.1·lr); a run cut short by the clock ends
+    wherever its schedule stood (the stats say so)."""
+    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafter_model import DrafterModel
+    from train.distill import init_train_state, make_optimizer, make_train_step
+
+    train = ~data["heldout"]
+    tokens, lengths, min_anchor = windows([q for q, t in zip(data["sequences"], train, strict=True) if t],
+                                          [p for p, t in zip(data["prompt_lens"], train, strict=True) if t],
+                                          s.seq_len)
+    if not len(tokens):
+        raise ValueError("no training sequence: generation produced nothing usable in its time")
+    layers = next(iter(cfgs.values())).target_layers
+    features = shared_features_fn(target, layers)
+    tx = make_optimizer(s.lr, s.train_steps)
+    drafters, states, steps = {}, {}, {}
+    for kind, cfg in cfgs.items():
+        d = Drafter(cfg, DrafterModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(s.seed)))
+        drafters[kind] = d
+        states[kind] = init_train_state(d.params, tx)
+        steps[kind] = make_train_step(target, d, tx)
+    key = jax.random.key(s.seed + 2)
+    history: dict[str, list] = {k: [] for k in cfgs}
+    t0, done = time.perf_counter(), 0
+    for i in range(s.train_steps):
+        if Budget.left(budget.train) <= 0:
+            break
+        batch = make_batch(jax.random.fold_in(key, i), tokens, lengths, min_anchor, s)
+        batch["hidden"], batch["feats"] = features(target.params, batch["tokens"])
+        for kind in cfgs:
+            params, opt, metrics = steps[kind](*states[kind], batch)
+            states[kind] = (params, opt)
+            if i % 50 == 0 or i == s.train_steps - 1:
+                m = jax.device_get(metrics)
+                history[kind].append({"step": i + 1, "loss": round(float(m["loss"]), 4),
+                                      "acceptance": [round(float(x), 4) for x in m["acceptance"]]})
+        done = i + 1
+        if i % 50 == 0:
+            log(f"train step {done}: " + ", ".join(f"{k} loss {h[-1]['loss']:.3f}" for k, h in history.items()))
+    jax.block_until_ready(states)
+    dt = time.perf_counter() - t0
+    log(f"train: {done}/{s.train_steps} steps in {dt:.1f} s on {len(tokens)} windows")
+    trained = {k: drafters[k].with_params(states[k][0]) for k in cfgs}
+    return trained, {"steps": done, "planned_steps": s.train_steps, "seconds": round(dt, 1),
+                     "cut_by_clock": done < s.train_steps, "windows": int(len(tokens)),
+                     "anchor_blocks": done * s.batch_sequences * s.anchors_per_seq, "history": history}
+
+
+def heldout_acceptance(target, drafters: dict, data: dict, s: FactorySettings, batches: int = 4) -> dict:
+    """Teacher-forced c*_k per position on the held-out sequences, T = 1 and T = 0 apart: {kind: {"t1": [L],
+    "t0": [L], "sequences": {...}}} (None where a split has no sequence)."""
+    from train.distill import make_loss_fn
+
+    out: dict = {k: {} for k in drafters}
+    for name, want_greedy in (("t1", False), ("t0", True)):
+        rows = [j for j in range(len(data["sequences"])) if data["heldout"][j] and data["greedy"][j] == want_greedy]
+        tokens, lengths, min_anchor = windows([data["sequences"][j] for j in rows],
+                                              [data["prompt_lens"][j] for j in rows], s.seq_len)
+        for kind, d in drafters.items():
+            out[kind].setdefault("sequences", {})[name] = int(len(tokens))
+            if not len(tokens):
+                out[kind][name] = None
+                continue
+            loss = make_loss_fn(target, d)
+            acc = [np.asarray(jax.device_get(loss(d.params, make_batch(jax.random.key(1000 + b), tokens, lengths,
+                                                                      min_anchor, s))[1]["acceptance"]))
+                   for b in range(batches)]
+            out[kind][name] = [round(float(x), 4) for x in np.mean(acc, 0)]
+    return out
+
+
+def write_outputs(out_dir: str, drafters: dict, metrics: dict, log_lines: list[str]) -> list[str]:
+    """The flat files: byte parts of each drafter's bf16 model.safetensors, metrics.json (with configs and part
+    checksums), factory.log. Checks the count and sizes; returns the file names."""
+    import tempfile
+
+    from dspark_jax.drafter import CONFIG_FILE, WEIGHTS_FILE
+
+    os.makedirs(out_dir, exist_ok=True)
+    metrics = {**metrics, "drafters": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, d in drafters.items():
+            d.save(os.path.join(tmp, kind), dtype="bfloat16")
+            parts = split_file(os.path.join(tmp, kind, WEIGHTS_FILE), out_dir, name=f"{kind}.{WEIGHTS_FILE}")
+            with open(os.path.join(tmp, kind, CONFIG_FILE)) as f:
+                metrics["drafters"][kind] = {"config": json.load(f), "weights": parts,
+                                             "params": int(d.num_params())}
+    with open(os.path.join(out_dir, METRICS_FILE), "w") as f:
+        json.dump(metrics, f, indent=1)
+    with open(os.path.join(out_dir, LOG_FILE), "w") as f:
+        f.write("".join(line + "\n" for line in log_lines))
+    files = sorted(os.listdir(out_dir))
+    big = [(n, os.path.getsize(os.path.join(out_dir, n))) for n in files
+           if os.path.getsize(os.path.join(out_dir, n)) > MAX_FILE_BYTES]
+    if len(files) > MAX_FILES or big or any(os.path.isdir(os.path.join(out_dir, n)) for n in files):
+        raise RuntimeError(f"{out_dir} holds {len(files)} entries (at most {MAX_FILES} flat files of ≤ 16 MiB): "
+                           f"{files}; too large: {big}")
+    return files
+
+
+def assemble(factory_dir: str, dest: str) -> dict[str, str]:
+    """The factory's flat files → `dest/<kind>/` drafter directories (drafter_config.json + model.safetensors,
+    parts joined and checked) that `load_drafter` reads. Returns {kind: directory}."""
+    from dspark_jax.drafter import CONFIG_FILE, WEIGHTS_FILE
+
+    with open(os.path.join(factory_dir, METRICS_FILE)) as f:
+        metrics = json.load(f)
+    out = {}
+    for kind, entry in metrics["drafters"].items():
+        d = os.path.join(dest, kind)
+        os.makedirs(d, exist_ok=True)
+        w = entry["weights"]
+        join_parts([os.path.join(factory_dir, p) for p in w["parts"]], os.path.join(d, WEIGHTS_FILE), w["sha256"])
+        with open(os.path.join(d, CONFIG_FILE), "w") as f:
+            json.dump(entry["config"], f, indent=2)
+        out[kind] = d
+    return out
+
+
+def run_factory(target, out_dir: str, s: FactorySettings, *, start: float | None = None, say=print) -> dict:
+    """Prompts → data → training → held-out c* → flat files in `out_dir`, within s.minutes from `start`
+    (default: now). Returns the metrics written to metrics.json."""
+    budget = Budget(s, start)
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        line = f"[{time.monotonic() - budget.start:7.1f} s] {msg}"
+        lines.append(line)
+        say(line)
+
+    cfgs = drafter_configs(target, s)
+    files = planned_files(cfgs)
+    if sum(files.values()) > MAX_FILES:
+        raise ValueError(f"these drafters need {files} files, more than {MAX_FILES}: drop a kind or shrink them")
+    log(f"backend {jax.default_backend()}, target {target.source} ({target.dtype}), settings {dataclasses.asdict(s)}")
+    prompts = collect_prompts(target, s, budget, log)
+    data = generate_data(target, prompts, s, budget, log)
+    drafters, train_stats = train_drafters(target, cfgs, data, s, budget, log)
+    held = heldout_acceptance(target, drafters, data, s)
+    for kind, h in held.items():
+        log(f"held-out c* {kind}: T=1 {h.get('t1')}, T=0 {h.get('t0')}")
+    metrics = {
+        "settings": dataclasses.asdict(s), "backend": jax.default_backend(), "target": target.source,
+        "data": {"prompts": len(prompts), "sequences": len(data["sequences"]),
+                 "response_tokens": data["response_tokens"], "seconds": round(data["seconds"], 1),
+                 "tokens_per_s": round(data["response_tokens"] / max(data["seconds"], 1e-9), 1),
+                 "greedy": int(np.sum(data["greedy"])), "heldout": int(np.sum(data["heldout"]))},
+        "train": train_stats, "heldout_acceptance": held,
+        "elapsed_s": round(time.monotonic() - budget.start, 1),
+    }
+    log(f"writing {out_dir}")
+    write_outputs(out_dir, drafters, metrics, lines)
+    return metrics
