@@ -55,7 +55,7 @@ def test_dspark_scheduler_refuses_eagle3_which_has_no_confidence(tiny_hf_targets
     target = tiny_hf_targets["llama"][1]
     runner = ModelRunner(target, _drafter(target, "eagle3", 3), max_batch=2, num_pages=32, page_size=8, max_pages=16)
     with pytest.raises(ValueError, match="confidence"):
-        EngineCore(runner, scheduler="dspark", max_batch=2, num_pages=32, page_size=8, max_model_len=64)
+        EngineCore(runner, scheduler="dspark", max_model_len=64)
 
 
 def test_sampled_eagle3_outputs_through_the_engine_follow_the_target(small_vocab_target):  # noqa: F811
