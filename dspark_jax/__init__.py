@@ -12,10 +12,10 @@ from dspark_jax.decoding import GenerateResult, generate
 from dspark_jax.drafter import Drafter, init_drafter, load_drafter
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.kernels import KernelConfig
+from dspark_jax.policy import Policy
 from dspark_jax.propose import Proposal, propose
-from dspark_jax.spec_decode import Policy, spec_step
 from dspark_jax.target import Target, load_target
 
 __all__ = ["Drafter", "DrafterConfig", "GenerateResult", "KernelConfig", "Policy", "Proposal", "Target", "generate",
-           "init_drafter", "load_drafter", "load_target", "propose", "spec_step"]
+           "init_drafter", "load_drafter", "load_target", "propose"]
 __version__ = "0.1.0"

@@ -1,8 +1,8 @@
 """`generate`: target-only and speculative decoding of a batch of prompts (the library entry point).
 
-`generate` runs the serving engine's round (dspark_jax/runner.py) for target-only and block-drafter decoding,
-and spec_decode.py's dense round for EAGLE-3. The dense `prefill` / `decode_step` here serve `propose`, the
-training features and the benchmarks. Invariant of every path: after prefill the target cache holds the prompt
+`generate` runs the serving engine's round (dspark_jax/runner.py) for target-only decoding and every drafter
+kind (DSpark, DFlash, EAGLE-3). The dense `prefill` / `decode_step` here serve `propose`, the training features
+and the benchmarks. Invariant of every path: after prefill the target cache holds the prompt
 and the *anchor* (the last emitted token) is not yet in the cache; each round feeds the anchor. Row b of a
 batch has the request key fold_in(key(seed), b) and draws round r from it as dspark_jax/keys.py says, so a
 row's output does not depend on which other rows share its batch.
@@ -20,7 +20,9 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.kernels import KernelConfig
-from dspark_jax.keys import VERIFY
+from dspark_jax.keys import VERIFY, row_key_data
+from dspark_jax.policy import Policy
+from dspark_jax.runner import ModelRunner, pick
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 from dspark_jax.target import dtype_name, resolve_dtype
 from dspark_jax.verification import acceptance_counts
@@ -85,14 +87,6 @@ def decode_step(graphdef, params, cache, anchor, keys, step, temperature, top_k,
     return cache, sample(step_keys(step_keys(keys, step), VERIFY), probs, all_greedy(temperature))
 
 
-@jax.jit
-def first_token(logits, keys, temperature, top_k, top_p):
-    """The token after the prompt, from prefill's last-position logits [B, V] (round 0 of each row's stream,
-    drawn as in dspark_jax/keys.py: fold_in(fold_in(key, 0), VERIFY))."""
-    probs = filter_probs(logits, temperature, top_k, top_p)
-    return sample(step_keys(step_keys(keys, 0), VERIFY), probs, all_greedy(temperature))
-
-
 def sampling_arrays(batch: int, temperature: float, top_k: int, top_p: float):
     """Validates sampling parameters and broadcasts them to per-row arrays."""
     if not (temperature >= 0.0 and np.isfinite(temperature)):
@@ -144,10 +138,6 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     (`runner.advance`) and round r is read back while r+1 runs; a row found finished in round r is dropped
     from round r+2 on (round r+1's output for it is discarded).
     """
-    from dspark_jax.keys import row_key_data
-    from dspark_jax.policy import Policy
-    from dspark_jax.runner import ModelRunner, pick
-
     B = len(prompts)
     sampling_arrays(B, temperature, top_k, top_p)  # validation
     if drafter is None:
@@ -243,7 +233,7 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
         temperature, top_k, top_p: filtering applied to target and draft alike (0 temperature = greedy).
         seed: a fixed seed gives a fixed output; each row has its own stream.
         ignore_eos: keep going past EOS tokens.
-        policy: speculative verification-length policy (see spec_decode.py); default verifies the full block.
+        policy: speculative verification-length policy (dspark_jax/policy.py); default verifies the full block.
         on_tokens: optional callback(row, new_tokens) for streaming.
         on_round: optional callback(live bool [B], lengths [B], num_accepted [B], confidence [B, L]) after every
             speculative round (host arrays), e.g. to collect calibration data.

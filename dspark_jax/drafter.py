@@ -15,6 +15,7 @@ compares like with like. Drafters without a confidence head report c_k = 1.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -60,6 +61,15 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
         return _draft_eagle(model, head, cache, anchor, keys, temperature, top_k, top_p)
     h = model.block_hidden(head, cache, anchor, cache.lengths)  # [B, L, D]
     return draft_from_hidden(model, head, h, anchor, keys, temperature, top_k, top_p, kernels)
+
+
+@functools.partial(jax.jit, static_argnames=("dgraph", "tied"), donate_argnames=("dcache",))
+def drafter_prefill(dgraph, dparams, tparams, dcache: DrafterCache, feats, tokens, lengths, *, tied: bool):
+    """The dense context of a prompt batch (tokens [B, T], ragged `lengths` [B], target features feats
+    [B, T, m·D]): the reference `draft_block` reads, for `propose` and the tests. Serving and `generate` write
+    the paged context instead (dspark_jax/paged.py)."""
+    drafter: DrafterModel = nnx.merge(dgraph, dparams)
+    return drafter.write_prompt(dcache, TargetHead.from_params(tparams, tied), tokens, feats, lengths)
 
 
 def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, temperature, top_k, top_p,

@@ -15,7 +15,9 @@ MLPs cost ∝ T (the bucket), not R × the longest block: that is what lets the 
 batch slots. Attention goes through dspark_jax.kernels (Pallas kernel on GPU/TPU, the jnp reference here).
 
 The drafter's injected context (KV injection) is paged the same way, in its own pool, under the same block
-tables: context entry p of a request is written at the same (page, offset) as the target's position p.
+tables: context entry p of a request is written at the same (page, offset) as the target's position p. EAGLE-3's
+entry p is [embedding(x_{p+1}); f_p] (so entries 0..n−2 exist at n committed tokens), and its fused features f_p
+are kept in the feature pool, where the next pass and the first draft step read f_{n−1} (`eagle_write_flat`).
 """
 
 from __future__ import annotations

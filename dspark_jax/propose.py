@@ -25,8 +25,8 @@ from flax import nnx
 
 from dspark_jax import draft_vocab
 from dspark_jax.decoding import pad_prompts, prefill, round_up
+from dspark_jax.drafter import drafter_prefill
 from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead, calibration
-from dspark_jax.spec_decode import drafter_prefill
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,9 @@
 A round for R running requests, each with n committed tokens and an anchor (the last emitted token, not yet
 in the target cache):
   1. draft     — `draft`: the drafter's block pass reads each request's injected context from its pages and
-                 samples draft tokens, draft probs q and confidences c (`drafter.draft_from_hidden`).
+                 samples draft tokens, draft probs q and confidences c (`drafter.draft_from_hidden`); an
+                 EAGLE-3 drafter runs its L autoregressive steps instead, a `lax.scan` over its paged
+                 context (`drafter.draft_eagle`, `paged.eagle_step_paged`).
   2. schedule  — verification lengths ℓ from the policy (dspark_jax/policy.py): given by the host
                  (mode "lengths") or filled on device from the current survival up to a capacity K chosen
                  from stale confidences (mode "topk", §5.2: the host never waits for the drafts).

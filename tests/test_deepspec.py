@@ -201,9 +201,8 @@ def test_propose_agrees_with_the_decode_path(ds, hf_target, target, tmp_path):
     import jax.numpy as jnp
 
     from dspark_jax.decoding import pad_prompts, prefill, row_keys
-    from dspark_jax.drafter import draft_block
+    from dspark_jax.drafter import draft_block, drafter_prefill
     from dspark_jax.drafter_model import TargetHead
-    from dspark_jax.spec_decode import drafter_prefill
 
     d = dspark_jax.load_drafter(make_replica(ds, hf_target, str(tmp_path / "d"), "dspark-rnn"), target)
     tokens, lens = pad_prompts([PROMPTS[0]])
@@ -226,9 +225,8 @@ def test_propose_with_a_reduced_draft_vocabulary(target, kind):
 
     from dspark_jax import draft_vocab
     from dspark_jax.decoding import pad_prompts, prefill, row_keys
-    from dspark_jax.drafter import draft_block
+    from dspark_jax.drafter import draft_block, drafter_prefill
     from dspark_jax.drafter_model import TargetHead
-    from dspark_jax.spec_decode import drafter_prefill
 
     subset = tuple(range(1, 128, 3))
     d = _randomised(target, kind=kind, draft_vocab=subset)

@@ -36,7 +36,7 @@ def _randomised(target, kind="dspark", L=5, seed=0, **kw):
 def _context(target, drafter, B=3, T=6):
     """A drafter cache filled from a real target prefill of random prompts."""
     from dspark_jax.decoding import prefill
-    from dspark_jax.spec_decode import drafter_prefill
+    from dspark_jax.drafter import drafter_prefill
 
     ids = np.random.default_rng(0).integers(3, 128, size=(B, T)).astype(np.int32)
     lens = np.array([T, T - 2, 3], np.int32)[:B]
@@ -143,9 +143,11 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
 
 
 def test_full_size_qwen3_8b_with_dspark_drafter_eval_shape():
-    """Shapes of a full Qwen3-8B target + DSpark drafter, and of one speculative round, without allocating."""
-    from dspark_jax.kv_cache import KVCache
-    from dspark_jax.spec_decode import Policy, spec_step
+    """Shapes of a full Qwen3-8B target + DSpark drafter, and of one speculative round's draft and verification
+    programs over paged caches (dspark_jax/runner.py), without allocating."""
+    from dspark_jax.paged import PagedKV
+    from dspark_jax.policy import Policy
+    from dspark_jax.runner import Static, draft_program, verify_program
 
     cfg = ModelConfig.from_hf(QWEN3_8B)
     tgt = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -155,15 +157,28 @@ def test_full_size_qwen3_8b_with_dspark_drafter_eval_shape():
     dg, dp = nnx.split(drf)
     n_target = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tp))
     assert 8.0e9 < n_target < 8.4e9  # Qwen3-8B: 8.19B parameters
-    B, S, L = 4, 1024, dcfg.block_size
+    B, S, L, ps = 4, 1024, dcfg.block_size, 16
+    M = S // ps
     sds = jax.ShapeDtypeStruct
-    tcache = jax.eval_shape(lambda: KVCache.init(num_layers=36, batch=B, num_kv_heads=8, capacity=S,
-                                                 head_dim=128, dtype=jnp.bfloat16))
-    dcache = jax.eval_shape(lambda p: nnx.merge(dg, p).init_cache(B, S), dp)
+    pool = dict(num_pages=B * M, page_size=ps, dtype=jnp.bfloat16)
+    tkv = jax.eval_shape(lambda: PagedKV.init(num_layers=36, num_kv_heads=8, head_dim=128, **pool))
+    dkv = jax.eval_shape(lambda: PagedKV.init(num_layers=dcfg.num_layers, num_kv_heads=dcfg.num_kv_heads,
+                                              head_dim=dcfg.head_dim, **pool))
+    i32, f32 = (lambda *s: sds(s, jnp.int32)), (lambda *s: sds(s, jnp.float32))
+    batch = {"active": sds((B,), bool), "lengths": i32(B), "anchors": i32(B), "block_tables": i32(B, M),
+             "temperature": f32(B), "top_k": i32(B), "top_p": f32(B), "keys": sds((B, 2), jnp.uint32),
+             "rounds": i32(B), "logprobs": sds((B,), bool)}
+    draft, q, conf = jax.eval_shape(
+        lambda tp_, dp_, dkv_, b: draft_program(tp_, dp_, None, dkv_, b["block_tables"], b["lengths"], b["anchors"],
+                                                b["keys"], b["rounds"], b["temperature"], b["top_k"], b["top_p"],
+                                                dg=Static(dg), tied=False, kernels="reference"),
+        tp, dp, dkv, batch)
+    assert draft.shape == (B, L) and q.shape == (B, L, cfg.vocab_size) and conf.shape == (B, L)
     out = jax.eval_shape(
-        lambda tp_, dp_, tc, dc, a, k: spec_step.__wrapped__(
-            tg, tp_, dg, dp_, tc, dc, a, k, 1, jnp.ones((B,)), jnp.zeros((B,), jnp.int32), jnp.ones((B,)),
-            dcfg=dcfg, policy=Policy(kind="dspark-sync"), tied=False),
-        tp, dp, tcache, dcache, sds((B,), jnp.int32), jax.eval_shape(lambda: row_keys(0, B)))
-    assert out[3].shape == (B, L + 1) and out[7].shape == (B, L)
-    assert out[0].k[0].shape == (B, 8, S, 128)
+        lambda tp_, dp_, tkv_, dkv_, b, d, q_, c: verify_program(
+            tp_, dp_, tkv_, dkv_, b, d, q_, c, jnp.int32(0), tg=Static(tg), dg=Static(dg), capacity=B * (L + 1),
+            mode="policy", block_size=L, hidden_layers=dcfg.target_layers, kernels="reference",
+            policy=Policy(kind="dspark-sync")),
+        tp, dp, tkv, dkv, batch, draft, q, conf)
+    assert out[2].shape == (B, L + 1) and out[5].shape == (B,)
+    assert out[0].k.shape == (36, B * M, 8, ps, 128)

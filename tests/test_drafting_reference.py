@@ -5,9 +5,8 @@ run rounds one by one and, before every round, take the draft distributions q_k 
 drafted from the drafter's *incrementally built* context (prefill, then one KV-injection write per round) and
 compare them with tests/naive_drafter.py recomputing the drafter from scratch — context features from the
 transformers model's hidden states on the committed tokens, context K/V at positions 0..n−1, the block at
-positions n.. — teacher-forced on the same draft tokens. Two paths: the paged round that `generate` and the
-serving engine run for block drafters (dspark_jax/runner.py, with pages scattered over the pool), and the dense
-`spec_step` that EAGLE-3 runs.
+positions n.. — teacher-forced on the same draft tokens, through the paged round that `generate` and the serving
+engine run for every drafter kind (dspark_jax/runner.py, with pages scattered over the pool).
 A wrong RoPE position, a wrong write offset, a context length off by one or a Markov bias fed the wrong token
 all change q; none of them changes greedy output.
 """
@@ -15,22 +14,17 @@ all change q; none of them changes greedy output.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REFERENCE_PROMPTS
 from naive_drafter import NaiveDrafter, flat_params, hf_features, softmax
 
 from dspark_jax import draft_vocab
-from dspark_jax.decoding import first_token, pad_prompts, prefill, row_keys, sampling_arrays, step_keys
-from dspark_jax.drafter import draft_block
 from dspark_jax.drafter_model import TargetHead
 from dspark_jax.keys import row_key_data
 from dspark_jax.runner import ModelRunner
-from dspark_jax.spec_decode import Policy, drafter_prefill, spec_step
 
 
 def check_row(naive, hf, cfg, seq, tok, q, conf, atol: float, rnd: int, b: int) -> float:
@@ -47,64 +41,14 @@ def check_row(naive, hf, cfg, seq, tok, q, conf, atol: float, rnd: int, b: int) 
     return err
 
 
-def spec_rounds_against_reference(hf, target, drafter, prompts, rounds: int, atol: float = 1e-4) -> dict:
-    """Runs `rounds` greedy speculative rounds; before each, checks every row's draft distributions (as log q,
-    which keeps small probabilities visible) and confidences against the naive drafter.
-    Returns {"accepted": total accepted draft tokens, "max_err": largest |log q − log q_naive|}."""
-    cfg = drafter.config
-    B = len(prompts)
-    tied = target.config.tie_word_embeddings
-    head = TargetHead.from_params(target.params, tied)
-    naive = NaiveDrafter(flat_params(drafter), cfg, head.embed, head.lm_head)
-    tokens, lens = pad_prompts(prompts)
-    capacity = 64
-    tcache, dcache = target.init_cache(B, capacity), drafter.init_cache(B, capacity)
-    temp, tk, tp = sampling_arrays(B, 0.0, 0, 1.0)
-    keys = row_keys(0, B)
-    logits, tcache, feats = prefill(target.graphdef, target.params, jnp.asarray(tokens), tcache, jnp.asarray(lens),
-                                    hidden_layers=cfg.target_layers)
-    dcache = drafter_prefill(drafter.graphdef, drafter.params, target.params, dcache, feats, jnp.asarray(tokens),
-                             jnp.asarray(lens), tied=tied)
-    anchor = first_token(logits, keys, temp, tk, tp)
-    seqs = [list(p) + [int(a)] for p, a in zip(prompts, np.asarray(anchor), strict=True)]
-    # Drafting at temperature 1 shows the whole distribution; rounds themselves stay greedy.
-    draft = jax.jit(functools.partial(draft_block, drafter.graphdef))
-    ones, zeros = jnp.ones((B,)), jnp.zeros((B,), jnp.int32)
-    accepted, max_err = 0, 0.0
-    for rnd in range(1, rounds + 1):
-        tok, q, conf = jax.device_get(draft(drafter.params, head, dcache, anchor, step_keys(keys, 10_000 + rnd),
-                                            ones, zeros, ones))
-        n_ctx = np.asarray(dcache.lengths)
-        for b in range(B):
-            assert n_ctx[b] == len(seqs[b]) - 1 - (cfg.kind == "eagle3"), (rnd, b, n_ctx[b], len(seqs[b]) - 1)
-            max_err = max(max_err, check_row(naive, hf, cfg, seqs[b], tok[b], q[b], conf[b], atol, rnd, b))
-        tcache, dcache, anchor, emitted, num_emitted, _, m, _ = spec_step(
-            target.graphdef, target.params, drafter.graphdef, drafter.params, tcache, dcache, anchor, keys, rnd,
-            temp, tk, tp, dcfg=cfg, policy=Policy(kind="fixed"), tied=tied)
-        emitted, num_emitted = np.asarray(emitted), np.asarray(num_emitted)
-        for b in range(B):
-            seqs[b] += [int(t) for t in emitted[b, : num_emitted[b]]]
-        accepted += int(np.asarray(m).sum())
-    return {"accepted": accepted, "max_err": max_err}
-
-
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
-def test_spec_path_drafts_equal_the_naive_drafter(tiny_hf_targets, distilled_drafter, kind):
-    """Distilled drafters (conftest.distilled_drafter), so rounds accept several tokens and the multi-token
-    context writes are exercised; three ragged rows (n = 5, 9, 2 at the start) on the qwen3 target (q/k norm,
-    head_dim ≠ D / N)."""
-    hf, target = tiny_hf_targets["qwen3"]
-    d = distilled_drafter("qwen3", kind, block_size=4)
-    res = spec_rounds_against_reference(hf, target, d, REFERENCE_PROMPTS, rounds=5)
-    print(f"\n{kind}: accepted {res['accepted']}, max |log q - log naive q| {res['max_err']:.1e}")
-    assert res["accepted"] > 0, "no draft accepted: the multi-token context writes were not exercised"
-
-
 def runner_rounds_against_reference(hf, target, drafter, prompts, rounds: int, atol: float = 1e-4) -> dict:
-    """As `spec_rounds_against_reference`, through the paged round: each row's pages are scattered over the
-    pool in reverse order (a wrong block-table lookup reads another row's context), rows are prefilled in
-    chunks of 4 (several drafter-context writes per prompt), drafts come from `ModelRunner.draft` at T = 1 and
-    the rounds themselves are greedy `ModelRunner.step`s verifying the whole block."""
+    """Runs `rounds` greedy speculative rounds through the paged round; before each, checks every row's draft
+    distributions (as log q, which keeps small probabilities visible) and confidences against the naive drafter.
+    Each row's pages are scattered over the pool in reverse order (a wrong block-table lookup reads another
+    row's context), rows are prefilled in chunks of 4 (several drafter-context writes per prompt), drafts come
+    from `ModelRunner.draft` at T = 1 and the rounds themselves are greedy `ModelRunner.step`s verifying the
+    whole block.
+    Returns {"accepted": total accepted draft tokens, "max_err": largest |log q − log q_naive|}."""
     cfg = drafter.config
     B, L, page = len(prompts), cfg.block_size, 4
     max_pages = 16
@@ -139,7 +83,9 @@ def runner_rounds_against_reference(hf, target, drafter, prompts, rounds: int, a
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
 def test_paged_round_drafts_equal_the_naive_drafter(tiny_hf_targets, distilled_drafter, kind):
-    """The round `generate` and the serving engine run: the same three ragged rows and distilled drafters."""
+    """Distilled drafters (conftest.distilled_drafter), so rounds accept several tokens and the multi-token
+    context writes are exercised; three ragged rows (n = 5, 9, 2 at the start) on the qwen3 target (q/k norm,
+    head_dim ≠ D / N)."""
     hf, target = tiny_hf_targets["qwen3"]
     d = distilled_drafter("qwen3", kind, block_size=4)
     res = runner_rounds_against_reference(hf, target, d, REFERENCE_PROMPTS, rounds=5)

@@ -5,14 +5,14 @@ tests/test_spec_decode.py."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from conftest import spec_prompts
-from test_spec_decode import V_SMALL, _chi2_pvalue, _drafter, _exact_joint
+from test_engine import check_engine_samples_follow
+from test_spec_decode import _drafter, _exact_joint, small_vocab_target  # noqa: F401, F811 (a fixture)
 
 import dspark_jax
-from dspark_jax.runner import COMPILES, PROGRAMS
-from serve.engine import create_engine
+from dspark_jax.runner import COMPILES, PROGRAMS, ModelRunner
+from serve.engine import EngineCore, create_engine
 from serve.types import EngineRequest, SamplingParams
 
 MAX_NEW = 16
@@ -53,23 +53,12 @@ def test_engine_serves_an_eagle3_drafter_greedily_as_target_only(tiny_hf_targets
 
 def test_dspark_scheduler_refuses_eagle3_which_has_no_confidence(tiny_hf_targets):
     target = tiny_hf_targets["llama"][1]
+    runner = ModelRunner(target, _drafter(target, "eagle3", 3), max_batch=2, num_pages=32, page_size=8, max_pages=16)
     with pytest.raises(ValueError, match="confidence"):
-        _engine(target, _drafter(target, "eagle3", 3), "dspark")
+        EngineCore(runner, scheduler="dspark", max_model_len=64)
 
 
-@pytest.fixture(scope="module")
-def small_vocab_target(tmp_path_factory):
-    from conftest import make_hf_model, target_from_hf
-
-    hf = make_hf_model("llama", tied=False, vocab_size=V_SMALL, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    import torch
-
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(8.0)
-    return target_from_hf(hf, tmp_path_factory.mktemp("v8"))
-
-
-def test_sampled_eagle3_outputs_through_the_engine_follow_the_target(small_vocab_target):
+def test_sampled_eagle3_outputs_through_the_engine_follow_the_target(small_vocab_target):  # noqa: F811
     """T = 1 through the engine with a poor random EAGLE-3 drafter (recovery exercised): the first 3 tokens
     follow the exact target distribution (chi-square, as tests/test_engine.py does for DSpark)."""
     target = small_vocab_target
@@ -77,19 +66,7 @@ def test_sampled_eagle3_outputs_through_the_engine_follow_the_target(small_vocab
     joint = _exact_joint(target, prompt, 1.0, 0, 1.0).reshape(-1)
     core = _engine(target, _drafter(target, "eagle3", 3, seed=1, scramble=0.3), "fixed:3", max_batch=32,
                    max_model_len=16, page_size=4)
-    N = 3000
-    outs: dict[str, list[int]] = {}
-    for i in range(N):
-        core.add_request(EngineRequest(
-            request_id=str(i), prompt_ids=prompt, params=SamplingParams(max_tokens=3, temperature=1.0, seed=i,
-                                                                       ignore_eos=True),
-            on_output=lambda o: outs.setdefault(o.request_id, []).extend(o.token_ids)))
-    while core.has_work():
-        core.step()
-    tokens = np.array([outs[str(i)] for i in range(N)])
-    counts = np.bincount(np.ravel_multi_index(tokens.T, (V_SMALL,) * 3), minlength=joint.size).astype(float)
-    assert _chi2_pvalue(counts, joint * N) > 1e-3
-    assert counts[joint == 0].sum() == 0
+    check_engine_samples_follow(core, prompt, joint)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])

@@ -346,7 +346,13 @@ def test_sampled_outputs_through_the_engine_follow_the_target(small_vocab, sched
     drafter = _drafter(target, "dspark", 3, seed=1, scramble=1.0, num_layers=1, markov_rank=8)
     engine = _engine(target, drafter, scheduler, max_batch=32, max_model_len=16, page_size=4,
                      chunk_sizes=(8,)).core_only()
-    N = 3000  # 3 tokens over V = 8: 512 cells, pooled where the expectation is small
+    check_engine_samples_follow(engine, prompt, joint)
+
+
+def check_engine_samples_follow(engine, prompt, joint, N: int = 3000) -> None:
+    """N requests of 3 tokens at T = 1 through the engine core (seeds 0..N−1): the counts of their 3-token
+    outputs over V = 8 (512 cells, pooled where the expectation is small) follow `joint` (chi-square), and no
+    impossible output appears."""
     outs: dict[str, list[int]] = {}
     for i in range(N):
         engine.add_request(EngineRequest(

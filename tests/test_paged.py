@@ -105,21 +105,15 @@ def test_paged_eagle_draft_equals_the_dense_one(tmp_path, eagle_layer):
     `write_prompt`'s cache): the same tokens and draft probabilities at T = 1, rows of different lengths."""
     import jax
     from conftest import make_hf_model, target_from_hf
-    from flax import nnx
+    from test_spec_decode import _drafter
 
-    import dspark_jax
     from dspark_jax.drafter import _draft_eagle, draft_eagle
     from dspark_jax.drafter_model import TargetHead
     from dspark_jax.keys import row_key_data
     from dspark_jax.paged import PagedKV, drafter_write_flat, eagle_step_paged, last_context_entry
 
     target = target_from_hf(make_hf_model("llama", tied=True), tmp_path)
-    d = dspark_jax.init_drafter(target, kind="eagle3", block_size=4, num_layers=1, seed=1, eagle_layer=eagle_layer)
-    flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(d.params))
-    key = jax.random.key(5)
-    for i, (k, v) in enumerate(sorted(flat.items())):
-        flat[k] = v + 0.05 * jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype)
-    nnx.replace_by_pure_dict(d.params, nnx.traversals.unflatten_mapping(flat))
+    d = _drafter(target, "eagle3", 4, seed=1, scramble=0.05, eagle_layer=eagle_layer)
     model, head, cfg = d.module(), TargetHead.from_params(target.params, True), d.config
     rng = np.random.default_rng(0)
     B, T, ps, M = 3, 30, 4, 8

@@ -17,8 +17,8 @@ from flax import nnx
 
 import dspark_jax
 from dspark_jax.kernels import KernelConfig
+from dspark_jax.policy import Policy
 from dspark_jax.sampling import filter_probs
-from dspark_jax.spec_decode import Policy
 
 KINDS = ["dspark", "dflash", "eagle3"]
 
@@ -71,7 +71,7 @@ def greedy_reference(greedy_refs, model_type):
     return greedy_refs[model_type]
 
 
-# Every block size on the llama target, two on qwen3 (compile time dominates on CPU: one spec_step per case).
+# Every block size on the llama target, two on qwen3 (compile time dominates on CPU).
 GREEDY_CASES = [(mt, kind, L) for mt, sizes in (("llama", (1, 4, 7, 16)), ("qwen3", (4, 7)))
                 for kind in KINDS for L in sizes]
 
@@ -289,7 +289,7 @@ def _pallas_distribution_check(tmpdir: str) -> None:
 
 def test_pallas_markov_sampler_follows_exact_target_distribution(tmp_path):
     """The only end-to-end distribution test of the fused sampler that `auto` picks on TPU. It runs in a
-    fresh process (late in a full-suite run, XLA:CPU once segfaulted compiling this interpret-mode spec_step,
+    fresh process (late in a full-suite run, XLA:CPU once segfaulted compiling this interpret-mode round,
     which fits exhausted memory mappings in a long-lived process). A fresh process has no such excuse: any
     nonzero exit, a crash included, fails the test."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_spec_decode as t; "
