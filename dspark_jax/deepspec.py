@@ -403,6 +403,8 @@ def _exportable(cfg: DrafterConfig, target) -> None:
         why.append("DeepSpec's RNN head has a bias: train with rnn_bias=True")
     if cfg.anchor_feature:
         why.append("DeepSpec's block drafters feed the anchor slot its embedding alone: no anchor_feature")
+    if cfg.feature_norm:
+        why.append("DeepSpec's fc reads the raw target features: no feature_norm")
     if why:
         raise ValueError("this drafter has no DeepSpec equivalent: " + "; ".join(why))
 

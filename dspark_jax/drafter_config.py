@@ -73,6 +73,9 @@ class DrafterConfig:
     # dspark/dflash: the anchor slot's input also carries the last context feature H_ctx[n−1] (through a D×D
     # projection that starts at zero), as EAGLE-3's input does, so position 1 need not find it by attention.
     anchor_feature: bool = False
+    # Each target layer's features are RMS-normalised (a learned scale per layer, starting at 1) before `fc`:
+    # SmolLM2's layer-1 states are ~60× smaller than layers 15 and 27, so `fc` otherwise sees mostly the latter.
+    feature_norm: bool = False
 
     @property
     def anchor_slot_predicts(self) -> bool:

@@ -2,7 +2,8 @@
 (Markov eq. 5, RNN eq. 6), the confidence head (eq. 7), and the EAGLE-3-style autoregressive layer.
 
 Context features. For every committed context token the target's hidden states at `target_layers` are
-concatenated [B, T, m·D], projected by `fc` + RMSNorm to the drafter width (H_ctx, eq. 2), and each drafter
+concatenated [B, T, m·D] (each layer's slice RMS-normalised first with `feature_norm`), projected by `fc` +
+RMSNorm to the drafter width (H_ctx, eq. 2), and each drafter
 layer's k/v projections of H_ctx are written once into the drafter's context cache (eq. 3) — never recomputed.
 
 Block pass (dspark/dflash). Inputs: the anchor's embedding then mask embeddings, at absolute positions
@@ -156,6 +157,8 @@ class DrafterModel(nnx.Module):
         D, R, V = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
         init = nnx.initializers.normal(0.02)
         self.fc = nnx.Param(init(rngs.params(), (len(cfg.target_layers) * D, D), dtype))
+        if cfg.feature_norm:  # one RMSNorm scale per target layer, applied before fc
+            self.feature_norm = nnx.Param(jnp.ones((len(cfg.target_layers), D), dtype))
         if not self.concat:  # EAGLE-3's own layer norms the feature inside (hidden_norm), residual un-normed
             self.ctx_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         layer = Eagle3ConcatLayer if self.concat else DrafterLayer
@@ -202,8 +205,15 @@ class DrafterModel(nnx.Module):
                             last_feature=jnp.zeros((batch, c.hidden_size), dtype))
 
     def project_features(self, feats: jax.Array) -> jax.Array:
-        """Target hidden states [B, T, m·D] → H_ctx [B, T, D] (eq. 2; EAGLE-3's fused feature too)."""
-        h = jnp.einsum("BTE,ED->BTD", feats.astype(self.fc[...].dtype), self.fc[...])
+        """Target hidden states [B, T, m·D] → H_ctx [B, T, D] (eq. 2; EAGLE-3's fused feature too). With
+        `feature_norm` each layer's D-slice is RMS-normalised and scaled first (feature_norm [m, D])."""
+        dtype = self.fc[...].dtype
+        if self.cfg.feature_norm:
+            m, D = self.feature_norm.shape
+            x = feats.astype(jnp.float32).reshape(*feats.shape[:-1], m, D)
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+            feats = (x * self.feature_norm[...].astype(jnp.float32)).reshape(feats.shape)
+        h = jnp.einsum("BTE,ED->BTD", feats.astype(dtype), self.fc[...])
         return h if self.concat else self.ctx_norm(h)
 
     def eagle_input(self, head: TargetHead, tokens, feature):

@@ -84,8 +84,21 @@ class OptimSection:
     end_lr_ratio: float = 0.1
     clip: float = 1.0
     weight_decay: float = 0.01
-    # Loss weights (eq. 12); None = the drafter kind's recipe (DSpark 0.1/0.9/1.0; DFlash, EAGLE-3 plain CE).
+    # Loss weights (eq. 12) and position decay: keys of train.losses.LossWeights (ce, tv, conf, gamma), each
+    # replacing the drafter kind's recipe (DSpark 0.1/0.9/1.0; DFlash, EAGLE-3 plain CE; γ = block size), e.g.
+    # {gamma: 4} for DeepSpec's decay. None = the recipe.
     loss: dict | None = None
+
+    def __post_init__(self):
+        if self.loss:
+            from train.losses import LossWeights
+
+            known = {f.name for f in dataclasses.fields(LossWeights)}
+            if set(self.loss) - known:
+                raise ValueError(f"optim.loss: unknown keys {sorted(set(self.loss) - known)}; known: {sorted(known)}")
+            gamma = self.loss.get("gamma")
+            if gamma is not None and not (isinstance(gamma, int | float) and gamma > 0):
+                raise ValueError(f"optim.loss.gamma must be a positive number (or null: the block size), got {gamma!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

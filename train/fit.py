@@ -117,6 +117,11 @@ def drafter_config(cfg: TrainConfig, target, paths: RunPaths):
                                     **overrides)
 
 
+def loss_weights(cfg: TrainConfig, kind: str) -> LossWeights:
+    """The drafter kind's loss recipe with `optim.loss`'s keys (ce, tv, conf, gamma) replaced."""
+    return dataclasses.replace(LossWeights.for_kind(kind), **(cfg.optim.loss or {}))
+
+
 def build(cfg: TrainConfig, target=None):
     """(target, initial drafter) for a config, on one process: the target is loaded unless given, in
     `target.dtype` ("auto": bfloat16 on GPU/TPU, float32 on CPU); the drafter is float32 (master weights)."""
@@ -247,7 +252,7 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
         params = init_params(dcfg, cfg.drafter.init_seed, sh.params)
     params, opt_state = jax.jit(lambda p: init_train_state(p, tx), out_shardings=(sh.params, sh.opt),
                                 donate_argnums=0)(params)
-    weights = LossWeights(**o.loss) if o.loss else None
+    weights = loss_weights(cfg, dcfg.kind)
     step_fn = make_train_step(target, drafter, tx, weights, shardings=sh, tparams=tparams)
 
     d = cfg.data
@@ -447,4 +452,5 @@ def _to_state(drafter, pure):
     return state
 
 
-__all__ = ["RunPaths", "build", "carry_params", "fit", "init_params", "read_carry", "save_drafter", "write_carry"]
+__all__ = ["RunPaths", "build", "carry_params", "fit", "init_params", "loss_weights", "read_carry", "save_drafter",
+           "write_carry"]

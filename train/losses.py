@@ -16,7 +16,8 @@ sequence share them (the S·A rows below are (sequence, anchor) pairs). For a ro
   targets  — block slot k (0-based) predicts x*_{n+1+k} (ground truth from the sequence) and is compared with
              the target's p_t,k = softmax(head(h[n+k])), the LM head applied only at these S·A·L positions;
              slots with n+1+k ≥ length are masked.
-Every per-slot term is position-weighted by w_k = exp(−k/L) (k 0-based, i.e. exp(−(k−1)/γ) 1-based) and
+Every per-slot term is position-weighted by w_k = exp(−k/γ) (k 0-based, i.e. exp(−(k−1)/γ) 1-based; γ = L unless
+`LossWeights.gamma`, DeepSpec's `loss_decay_gamma`) and
 averaged over the weighted, valid slots of the batch:
   L_ce   = −log p_d,k(x*_k)                                   (eq. 9)
   L_tv   = ‖p_d,k − p_t,k‖₁                                    (eq. 10)
@@ -47,6 +48,7 @@ class LossWeights:
     ce: float = 0.1
     tv: float = 0.9
     conf: float = 1.0
+    gamma: float | None = None  # position decay w_k = exp(−(k−1)/γ); None: γ = L (DeepSpec's recipes: 4)
 
     @classmethod
     def for_kind(cls, kind: str) -> LossWeights:
@@ -54,9 +56,9 @@ class LossWeights:
         return cls() if kind == "dspark" else cls(ce=1.0, tv=0.0, conf=0.0)
 
 
-def position_weights(L: int) -> jax.Array:
-    """w_k = exp(−(k−1)/γ) for k = 1..L with γ = L: [L]."""
-    return jnp.exp(-jnp.arange(L, dtype=jnp.float32) / L)
+def position_weights(L: int, gamma: float | None = None) -> jax.Array:
+    """w_k = exp(−(k−1)/γ) for k = 1..L, γ = L unless given: [L]."""
+    return jnp.exp(-jnp.arange(L, dtype=jnp.float32) / (L if gamma is None else gamma))
 
 
 def _gather_time(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -274,7 +276,7 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
         tv = tv + jnp.maximum(1.0 - p_t.sum(-1), 0.0)
     c_star = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * tv, 0.0, 1.0))
 
-    w = position_weights(L)[None] * valid  # [B, L]
+    w = position_weights(L, weights.gamma)[None] * valid  # [B, L]
     wmean = lambda x, m=w: (m * x).sum() / jnp.maximum(m.sum(), 1e-6)  # noqa: E731
     loss_ce, loss_tv = wmean(jnp.where(in_vocab, ce, 0.0), w * in_vocab), wmean(tv)
     loss = weights.ce * loss_ce + weights.tv * loss_tv

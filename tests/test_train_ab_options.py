@@ -1,0 +1,77 @@
+"""The training A/B switches, each off by default: per-layer RMSNorm of the target features before `fc`
+(`DrafterConfig.feature_norm`), DeepSpec's position decay γ (`optim.loss.gamma`), and a fourth target feature
+(the last layer, through `target_layers`). Oracles: a naive numpy projection, hand-computed weights, save/load
+round trips and greedy equality with target-only decoding."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_hf_model, target_from_hf
+from flax import nnx
+
+import dspark_jax
+from dspark_jax.drafter_config import DrafterConfig
+from dspark_jax.drafter_model import DrafterModel
+from train.config import load_config
+from train.fit import _to_state, loss_weights
+from train.losses import LossWeights, position_weights
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return target_from_hf(make_hf_model("llama", tied=True), tmp_path_factory.mktemp("llama"))
+
+
+def test_feature_norm_normalises_each_layer_before_fc(target):
+    cfg = DrafterConfig.for_target(target.config, kind="dspark", block_size=3, num_layers=1, markov_rank=8,
+                                   feature_norm=True)
+    model = DrafterModel(cfg, rngs=nnx.Rngs(0))
+    m, D = len(cfg.target_layers), cfg.hidden_size
+    scale = np.random.default_rng(1).normal(1.0, 0.3, (m, D)).astype(np.float32)
+    model.feature_norm[...] = jnp.asarray(scale)
+    # Layers of very different sizes, as SmolLM2's layer 1 against 15 and 27.
+    feats = np.random.default_rng(2).normal(size=(2, 5, m, D)).astype(np.float32) * np.array([0.02, 1.0, 3.0][:m])[
+        :, None]
+    x = feats / np.sqrt((feats.astype(np.float64) ** 2).mean(-1, keepdims=True) + cfg.rms_norm_eps)
+    h = (x * scale).reshape(2, 5, m * D) @ np.asarray(model.fc[...])
+    want = h / np.sqrt((h**2).mean(-1, keepdims=True) + cfg.rms_norm_eps) * np.asarray(model.ctx_norm.scale[...])
+    got = model.project_features(jnp.asarray(feats.reshape(2, 5, m * D)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    # Off (the default) there is no such parameter: existing checkpoints load unchanged.
+    plain = DrafterModel(DrafterConfig.for_target(target.config, kind="dspark", block_size=3, num_layers=1),
+                         rngs=nnx.Rngs(0))
+    assert not hasattr(plain, "feature_norm") and "feature_norm" not in nnx.to_pure_dict(nnx.state(plain))
+
+
+def test_feature_norm_and_last_layer_drafter_round_trips_and_stays_lossless(target, tmp_path):
+    last = target.config.num_layers - 1
+    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=3, num_layers=1, markov_rank=8, seed=3,
+                                      feature_norm=True, target_layers=(0, 1, last))
+    state = nnx.to_pure_dict(drafter.params)
+    state["feature_norm"] = np.random.default_rng(4).normal(1.0, 0.5, np.shape(state["feature_norm"]))
+    drafter = drafter.with_params(_to_state(drafter, state))
+    drafter.save(str(tmp_path / "d"))
+    loaded = dspark_jax.load_drafter(str(tmp_path / "d"), target)
+    assert loaded.config.feature_norm and loaded.config.target_layers == (0, 1, last)
+    np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(loaded.params)["feature_norm"]),
+                                  np.asarray(state["feature_norm"], np.float32))
+    prompts = [[5, 9, 17, 3], [11, 4, 8, 30, 2, 7]]
+    ref = dspark_jax.generate(target, prompts, max_new_tokens=12, ignore_eos=True)
+    spec = dspark_jax.generate(target, prompts, loaded, max_new_tokens=12, ignore_eos=True)
+    assert spec.tokens == ref.tokens
+
+
+def test_position_decay_gamma():
+    np.testing.assert_allclose(np.asarray(position_weights(7)), np.exp(-np.arange(7) / 7), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(position_weights(7, 4.0)), np.exp(-np.arange(7) / 4), rtol=1e-6)
+    # optim.loss keys replace the kind's recipe one by one.
+    cfg = load_config(None, ["optim.loss={gamma: 4}"])
+    assert loss_weights(cfg, "dspark") == LossWeights(ce=0.1, tv=0.9, conf=1.0, gamma=4.0)
+    assert loss_weights(cfg, "eagle3") == LossWeights(ce=1.0, tv=0.0, conf=0.0, gamma=4.0)
+    assert loss_weights(load_config(None, []), "dflash") == LossWeights.for_kind("dflash")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config(None, ["optim.loss={decay: 4}"])
+    with pytest.raises(ValueError, match="gamma"):
+        load_config(None, ["optim.loss={gamma: -1}"])
