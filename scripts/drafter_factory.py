@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = FactorySettings()
     r.add_argument("--minutes", type=float, default=defaults.minutes,
                    help="the whole run after loading the target; phases stop on their share of it")
+    r.add_argument("--kernels", default=defaults.kernels, choices=("auto", "pallas", "reference"),
+                   help="the slot decoder's attention (default reference: XLA's, safe at thousands of rows)")
     r.add_argument("--kinds", nargs="+", default=list(defaults.kinds), choices=("dspark", "eagle3", "dflash"),
                    help="drafters trained on the same batches")
     for name, help_ in [

@@ -110,6 +110,9 @@ class FactorySettings:
     train_steps: int = 2000  # the schedule's length; the train deadline may stop it sooner
     lr: float = 1e-3
     seed: int = 0
+    # The slot decoder's attention. "reference" (XLA's) by default: the Pallas kernel ("auto" on GPU) is measured
+    # at serving shapes, not at thousands of rows.
+    kernels: str = "reference"
 
     def __post_init__(self):
         if self.responses_per_prompt < 1:
@@ -172,7 +175,8 @@ def collect_prompts(target, s: FactorySettings, budget: Budget, log) -> list[tup
     banned = magpie.eval_prompts()
     log(f"evaluation prompts filtered out of the Magpie queries: {len(banned)} (0: {magpie.EVAL_DIR} is absent)")
     queries = magpie.magpie_prompts(target, s.magpie, seed=s.seed, batch_size=s.gen_batch,
-                                    max_query_tokens=s.max_query_tokens, banned=banned, deadline=budget.prompts)
+                                    max_query_tokens=s.max_query_tokens, banned=banned, deadline=budget.prompts,
+                                    kernels=s.kernels)
     log(f"prompts: {len(queries)} Magpie queries, {len(texts)} docstrings")
     texts += [(f"magpie_{d}", q) for d, q in queries]
     out = [(src, ids) for src, ids in ((src, target.chat_ids(t)) for src, t in texts)
@@ -202,7 +206,7 @@ def generate_data(target, prompts, s: FactorySettings, budget: Budget, log) -> d
     heldout = np.tile(rng.random(n) < s.heldout_share, s.responses_per_prompt)
     cap = -(-(max(len(p) for _, p in prompts) + s.max_new_tokens + 1) // 64) * 64
     settings = SlotSettings(batch=s.gen_batch, capacity=cap, max_new_tokens=s.max_new_tokens,
-                            temperature=s.temperature, top_p=1.0)
+                            temperature=s.temperature, top_p=1.0, kernels=s.kernels)
     done: dict[int, list[int]] = {}
     count = [0]
     t0 = time.perf_counter()

@@ -115,7 +115,7 @@ def seed_plan(n: int, seed: int, domains: dict[str, float] | None = None) -> lis
 def magpie_prompts(target, n: int, *, seed: int = 0, batch_size: int = 64, max_query_tokens: int = 96,
                    temperature: float = 1.0, top_p: float = 1.0, banned: Iterable[str] = (),
                    domains: dict[str, float] | None = None, max_rounds: int = 4, progress: bool = False,
-                   decoder=None, deadline: float | None = None) -> list[tuple[str, str]]:
+                   decoder=None, deadline: float | None = None, kernels: str = "auto") -> list[tuple[str, str]]:
     """Up to `n` distinct (domain, query) pairs written by `target` from its pre-query prefix.
 
     Args:
@@ -127,6 +127,7 @@ def magpie_prompts(target, n: int, *, seed: int = 0, batch_size: int = 64, max_q
       domains: weights over `SEEDS`' domains (default equal).
       decoder: a `regenerate.SlotDecoder` of the same settings and seed to reuse (its compiled steps).
       deadline: a `time.monotonic()` time after which no further query is waited for (those finished count).
+      kernels: the slot decoder's attention (dspark_jax.kernels: "auto", "pallas" or "reference").
 
     Returns:
       list of (domain, query), in request order; fewer than n only if the model keeps failing the filters.
@@ -143,7 +144,7 @@ def magpie_prompts(target, n: int, *, seed: int = 0, batch_size: int = 64, max_q
     banned = frozenset(banned)
     base = tok.encode(prefix, add_special_tokens=False)
     settings = SlotSettings(batch=batch_size, capacity=-(-(len(base) + 16 + max_query_tokens + 1) // 32) * 32,
-                            max_new_tokens=max_query_tokens, temperature=temperature, top_p=top_p)
+                            max_new_tokens=max_query_tokens, temperature=temperature, top_p=top_p, kernels=kernels)
     decoder = SlotDecoder(target, settings, seed) if decoder is None else decoder  # compiled once, all rounds
     seen: set[str] = set()
     kept: list[tuple[str, str]] = []
