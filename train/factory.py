@@ -1,7 +1,7 @@
 """The drafter factory: data, training and held-out evaluation of several drafters in one timed run, for a
 machine that is lent for minutes, reaches nothing and returns a few flat files (scripts/drafter_factory.py).
 
-Phases, each stopped by the clock (`Budget`: shares of `minutes`):
+Phases, each stopped by the clock (`Budget`: shares of `minutes`; an overrun is taken from later phases):
   1. prompts   — Magpie queries written by the target itself (train/magpie.py) plus Python-docstring prompts
                  (train/datasets.py's stdlib pool: local files, no network);
   2. data      — responses from the batched slot decoder (train/regenerate.py), T = `temperature` for most, T = 0
@@ -127,15 +127,22 @@ class FactorySettings:
 
 
 class Budget:
-    """Deadlines of the phases, from one start time and the shares of `minutes`."""
+    """The run's clock: `deadline(phase)`, asked as a phase starts, is now + the time left × the phase's part of
+    the shares not yet begun, so a phase that overran (a slow compile, a loaded machine) takes its time from the
+    later ones in proportion instead of leaving them none."""
+
+    ORDER = ("prompts", "data", "train", "rest")  # rest: held-out evaluation and writing the files
 
     def __init__(self, s: FactorySettings, start: float | None = None):
         self.start = time.monotonic() if start is None else start
-        total = 60.0 * s.minutes
-        self.prompts = self.start + total * s.prompt_share
-        self.data = self.prompts + total * s.data_share
-        self.train = self.data + total * s.train_share
-        self.end = self.start + total
+        self.end = self.start + 60.0 * s.minutes
+        self.shares = {"prompts": s.prompt_share, "data": s.data_share, "train": s.train_share,
+                       "rest": 1.0 - s.prompt_share - s.data_share - s.train_share}
+
+    def deadline(self, phase: str) -> float:
+        now = time.monotonic()
+        later = sum(self.shares[p] for p in self.ORDER[self.ORDER.index(phase):])
+        return now + max(self.end - now, 0.0) * self.shares[phase] / later
 
     @staticmethod
     def left(deadline: float) -> float:
@@ -175,8 +182,8 @@ def collect_prompts(target, s: FactorySettings, budget: Budget, log) -> list[tup
     banned = magpie.eval_prompts()
     log(f"evaluation prompts filtered out of the Magpie queries: {len(banned)} (0: {magpie.EVAL_DIR} is absent)")
     queries = magpie.magpie_prompts(target, s.magpie, seed=s.seed, batch_size=s.gen_batch,
-                                    max_query_tokens=s.max_query_tokens, banned=banned, deadline=budget.prompts,
-                                    kernels=s.kernels)
+                                    max_query_tokens=s.max_query_tokens, banned=banned,
+                                    deadline=budget.deadline("prompts"), kernels=s.kernels)
     log(f"prompts: {len(queries)} Magpie queries, {len(texts)} docstrings")
     texts += [(f"magpie_{d}", q) for d, q in queries]
     out = [(src, ids) for src, ids in ((src, target.chat_ids(t)) for src, t in texts)
@@ -209,12 +216,12 @@ def generate_data(target, prompts, s: FactorySettings, budget: Budget, log) -> d
                             temperature=s.temperature, top_p=1.0, kernels=s.kernels)
     done: dict[int, list[int]] = {}
     count = [0]
-    t0 = time.perf_counter()
+    t0, deadline = time.perf_counter(), budget.deadline("data")
 
     def on_done(i, response):
         done[i] = response
         count[0] += len(response)
-        if count[0] >= s.gen_tokens or Budget.left(budget.data) <= 0:
+        if count[0] >= s.gen_tokens or Budget.left(deadline) <= 0:
             raise _Stop
 
     try:
@@ -290,9 +297,9 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
         steps[kind] = make_train_step(target, d, tx)
     key = jax.random.key(s.seed + 2)
     history: dict[str, list] = {k: [] for k in cfgs}
-    t0, done = time.perf_counter(), 0
+    t0, done, deadline = time.perf_counter(), 0, budget.deadline("train")
     for i in range(s.train_steps):
-        if Budget.left(budget.train) <= 0:
+        if Budget.left(deadline) <= 0:
             break
         batch = make_batch(jax.random.fold_in(key, i), tokens, lengths, min_anchor, s)
         batch["hidden"], batch["feats"] = features(target.params, batch["tokens"])
