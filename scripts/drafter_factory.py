@@ -6,11 +6,11 @@
   python scripts/drafter_factory.py assemble FACTORY_OUT DEST # flat files → DEST/<kind>/ for load_drafter
 
 What `run` does is train/factory.py's docstring. A device run carries at most 64 MiB of the working tree, and the
-SmolLM2 GGUF is 98 MB: `split` it into two parts (≤ 60 MiB each) plus a checksum file, bring part 0 in a first
-run that copies it off the working tree (e.g. `mkdir -p /tmp/factory && cp factory_in/*.part0 /tmp/factory/`),
-then part 1 in a second run while the machine is still held; `run --target-parts` joins them (checking the
-sha256) into a temporary GGUF and loads it. The GPU image lacks the `gguf` package: carry its wheel in `.whl/`
-(see scripts/gpu_check.sh); nothing here needs grain or array_record.
+SmolLM2 GGUF is 98 MB and the tracked tree already ~26 MiB: `split` it into three parts (~31 MiB each) plus a
+checksum file, bring one part per run while the machine is still held, each run copying its part off the working
+tree (e.g. `mkdir -p /tmp/factory && cp factory_in/*.part0 /tmp/factory/`), and in the last `run --target-parts`
+joins them (checking the sha256) into a temporary GGUF and loads it. The GPU image lacks the `gguf` package:
+carry its wheel in `.whl/` (see scripts/gpu_check.sh); nothing here needs grain or array_record.
 """
 
 from __future__ import annotations
@@ -45,10 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = FactorySettings()
     r.add_argument("--minutes", type=float, default=defaults.minutes,
                    help="the whole run after loading the target; phases stop on their share of it")
+    r.add_argument("--kernels", default=defaults.kernels, choices=("auto", "pallas", "reference"),
+                   help="the slot decoder's attention (default reference: XLA's, safe at thousands of rows)")
     r.add_argument("--kinds", nargs="+", default=list(defaults.kinds), choices=("dspark", "eagle3", "dflash"),
                    help="drafters trained on the same batches")
     for name, help_ in [
         ("magpie", "Magpie queries the target writes"), ("docstrings", "stdlib docstring prompts"),
+        ("responses_per_prompt", "sampled answers per prompt"),
         ("gen_tokens", "stop generating after this many response tokens"), ("gen_batch", "decode slots"),
         ("max_new_tokens", "response cap"), ("seq_len", "training window T"),
         ("batch_sequences", "sequences per training batch"), ("anchors_per_seq", "anchors per sequence"),

@@ -107,3 +107,15 @@ def test_settings_are_checked():
         factory.FactorySettings(kinds=("medusa",))
     with pytest.raises(ValueError, match="leave time"):
         factory.FactorySettings(prompt_share=0.5, data_share=0.3, train_share=0.3)
+
+
+def test_budget_takes_an_overrun_from_later_phases(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(factory.time, "monotonic", lambda: now[0])
+    s = factory.FactorySettings(minutes=10, prompt_share=0.1, data_share=0.3, train_share=0.5)
+    b = factory.Budget(s)
+    assert b.deadline("prompts") == pytest.approx(100 + 60)  # 10% of 600 s
+    now[0] = 100 + 240  # prompts overran by 180 s: 360 s left for data, train, rest (0.3 : 0.5 : 0.1)
+    assert b.deadline("data") == pytest.approx(340 + 360 * 0.3 / 0.9)
+    now[0] = 100 + 700  # past the end: every later phase gets nothing, not a negative time
+    assert b.deadline("train") == pytest.approx(800)

@@ -75,3 +75,12 @@ def test_magpie_prompts_of_a_tiny_target(target):
     banned = frozenset(keys[:1])
     assert keys[0] not in {magpie.normalise(q) for _, q in magpie.magpie_prompts(
         target, 6, seed=0, batch_size=32, max_query_tokens=24, max_rounds=3, banned=banned)}
+
+
+def test_magpie_prompts_stop_at_the_deadline(target):
+    import time
+
+    # A deadline already past: the first finished request ends the run; at most that one query is kept.
+    out = magpie.magpie_prompts(target, 50, seed=0, batch_size=32, max_query_tokens=24, max_rounds=3,
+                                deadline=time.monotonic() - 1.0)
+    assert len(out) <= 1

@@ -1,7 +1,7 @@
 """The drafter factory: data, training and held-out evaluation of several drafters in one timed run, for a
 machine that is lent for minutes, reaches nothing and returns a few flat files (scripts/drafter_factory.py).
 
-Phases, each stopped by the clock (`Budget`: shares of `minutes`):
+Phases, each stopped by the clock (`Budget`: shares of `minutes`; an overrun is taken from later phases):
   1. prompts   — Magpie queries written by the target itself (train/magpie.py) plus Python-docstring prompts
                  (train/datasets.py's stdlib pool: local files, no network);
   2. data      — responses from the batched slot decoder (train/regenerate.py), T = `temperature` for most, T = 0
@@ -93,8 +93,9 @@ class FactorySettings:
     dspark_layers: int = 2
     dflash_layers: int = 2
     markov_rank: int = 32
-    magpie: int = 4096  # Magpie queries asked for
-    docstrings: int = 2048  # stdlib docstring prompts
+    magpie: int = 16384  # Magpie queries asked for
+    docstrings: int = 4096  # stdlib docstring prompts (the pool holds a few thousand)
+    responses_per_prompt: int = 2  # sampled answers per prompt (a second pass over all prompts, new streams)
     max_query_tokens: int = 96
     gen_tokens: int = 10_000_000  # stop generating after this many response tokens (or at the data deadline)
     gen_batch: int = 2048  # decode slots
@@ -109,8 +110,13 @@ class FactorySettings:
     train_steps: int = 2000  # the schedule's length; the train deadline may stop it sooner
     lr: float = 1e-3
     seed: int = 0
+    # The slot decoder's attention. "reference" (XLA's) by default: the Pallas kernel ("auto" on GPU) is measured
+    # at serving shapes, not at thousands of rows.
+    kernels: str = "reference"
 
     def __post_init__(self):
+        if self.responses_per_prompt < 1:
+            raise ValueError(f"{self.responses_per_prompt=} must be >= 1")
         if self.prompt_share + self.data_share + self.train_share >= 1.0:
             raise ValueError("prompt_share + data_share + train_share must leave time for evaluation (< 1)")
         bad = sorted(set(self.kinds) - {"dspark", "eagle3", "dflash"})
@@ -121,15 +127,22 @@ class FactorySettings:
 
 
 class Budget:
-    """Deadlines of the phases, from one start time and the shares of `minutes`."""
+    """The run's clock: `deadline(phase)`, asked as a phase starts, is now + the time left × the phase's part of
+    the shares not yet begun, so a phase that overran (a slow compile, a loaded machine) takes its time from the
+    later ones in proportion instead of leaving them none."""
+
+    ORDER = ("prompts", "data", "train", "rest")  # rest: held-out evaluation and writing the files
 
     def __init__(self, s: FactorySettings, start: float | None = None):
         self.start = time.monotonic() if start is None else start
-        total = 60.0 * s.minutes
-        self.prompts = self.start + total * s.prompt_share
-        self.data = self.prompts + total * s.data_share
-        self.train = self.data + total * s.train_share
-        self.end = self.start + total
+        self.end = self.start + 60.0 * s.minutes
+        self.shares = {"prompts": s.prompt_share, "data": s.data_share, "train": s.train_share,
+                       "rest": 1.0 - s.prompt_share - s.data_share - s.train_share}
+
+    def deadline(self, phase: str) -> float:
+        now = time.monotonic()
+        later = sum(self.shares[p] for p in self.ORDER[self.ORDER.index(phase):])
+        return now + max(self.end - now, 0.0) * self.shares[phase] / later
 
     @staticmethod
     def left(deadline: float) -> float:
@@ -166,18 +179,11 @@ def collect_prompts(target, s: FactorySettings, budget: Budget, log) -> list[tup
     from train import datasets, magpie
 
     texts = [("docstring", t) for t in datasets.load_prompts("train", "code", s.docstrings, seed=s.seed)]
-    # Magpie in chunks, so the prompt deadline is kept (a chunk runs to its end).
-    banned = set(magpie.eval_prompts())
-    queries: list[tuple[str, str]] = []
-    chunk = max(64, min(s.magpie, s.gen_batch))
-    while len(queries) < s.magpie and Budget.left(budget.prompts) > 0:
-        got = magpie.magpie_prompts(target, min(chunk, s.magpie - len(queries)), seed=s.seed + len(queries),
-                                    batch_size=min(s.gen_batch, chunk), max_query_tokens=s.max_query_tokens,
-                                    banned=banned, max_rounds=1)
-        if not got:
-            break
-        queries += got
-        banned |= {magpie.normalise(q) for _, q in got}
+    banned = magpie.eval_prompts()
+    log(f"evaluation prompts filtered out of the Magpie queries: {len(banned)} (0: {magpie.EVAL_DIR} is absent)")
+    queries = magpie.magpie_prompts(target, s.magpie, seed=s.seed, batch_size=s.gen_batch,
+                                    max_query_tokens=s.max_query_tokens, banned=banned,
+                                    deadline=budget.deadline("prompts"), kernels=s.kernels)
     log(f"prompts: {len(queries)} Magpie queries, {len(texts)} docstrings")
     texts += [(f"magpie_{d}", q) for d, q in queries]
     out = [(src, ids) for src, ids in ((src, target.chat_ids(t)) for src, t in texts)
@@ -192,34 +198,43 @@ class _Stop(Exception):
 
 def generate_data(target, prompts, s: FactorySettings, budget: Budget, log) -> dict:
     """Responses until gen_tokens or the data deadline: {"sequences": [ids], "prompt_lens", "greedy": bool,
-    "heldout": bool (seeded by index), "response_tokens", "seconds"}."""
+    "heldout": bool, "response_tokens", "seconds"}.
+
+    Request k answers prompt k mod N in pass k div N (`responses_per_prompt` passes, each its own streams); a
+    seeded share of the prompts is held out (all of a prompt's answers together), and a seeded share is answered
+    greedily in the first pass (a greedy answer would repeat in later passes: those sample)."""
     from train.regenerate import SlotSettings, generate_slots
 
+    n = len(prompts)
+    if not n:
+        raise ValueError("no prompts to answer: the prompt phase produced none")
     rng = np.random.default_rng(s.seed + 1)
-    greedy = rng.random(len(prompts)) < s.greedy_share
-    heldout = rng.random(len(prompts)) < s.heldout_share
+    greedy = np.concatenate([rng.random(n) < s.greedy_share, np.zeros(n * (s.responses_per_prompt - 1), bool)])
+    heldout = np.tile(rng.random(n) < s.heldout_share, s.responses_per_prompt)
     cap = -(-(max(len(p) for _, p in prompts) + s.max_new_tokens + 1) // 64) * 64
     settings = SlotSettings(batch=s.gen_batch, capacity=cap, max_new_tokens=s.max_new_tokens,
-                            temperature=s.temperature, top_p=1.0)
+                            temperature=s.temperature, top_p=1.0, kernels=s.kernels)
     done: dict[int, list[int]] = {}
     count = [0]
-    t0 = time.perf_counter()
+    t0, deadline = time.perf_counter(), budget.deadline("data")
 
     def on_done(i, response):
         done[i] = response
         count[0] += len(response)
-        if count[0] >= s.gen_tokens or Budget.left(budget.data) <= 0:
+        if count[0] >= s.gen_tokens or Budget.left(deadline) <= 0:
             raise _Stop
 
     try:
-        generate_slots(target, ((i, p) for i, (_, p) in enumerate(prompts)), settings=settings, seed=s.seed,
-                       eos_ids=target.eos_token_ids, on_done=on_done, greedy=lambda i: bool(greedy[i]))
+        generate_slots(target, ((k, prompts[k % n][1]) for k in range(n * s.responses_per_prompt)),
+                       settings=settings, seed=s.seed, eos_ids=target.eos_token_ids, on_done=on_done,
+                       greedy=lambda k: bool(greedy[k]))
     except _Stop:
         pass
     dt = time.perf_counter() - t0
     keep = sorted(i for i, r in done.items() if len(r) >= 2)
     log(f"data: {len(keep)} sequences, {count[0]} response tokens in {dt:.1f} s ({count[0] / dt:.0f} tokens/s)")
-    return {"sequences": [prompts[i][1] + done[i] for i in keep], "prompt_lens": [len(prompts[i][1]) for i in keep],
+    return {"sequences": [prompts[k % n][1] + done[k] for k in keep],
+            "prompt_lens": [len(prompts[k % n][1]) for k in keep],
             "greedy": greedy[keep], "heldout": heldout[keep], "response_tokens": count[0], "seconds": dt}
 
 
@@ -282,9 +297,9 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
         steps[kind] = make_train_step(target, d, tx)
     key = jax.random.key(s.seed + 2)
     history: dict[str, list] = {k: [] for k in cfgs}
-    t0, done = time.perf_counter(), 0
+    t0, done, deadline = time.perf_counter(), 0, budget.deadline("train")
     for i in range(s.train_steps):
-        if Budget.left(budget.train) <= 0:
+        if Budget.left(deadline) <= 0:
             break
         batch = make_batch(jax.random.fold_in(key, i), tokens, lengths, min_anchor, s)
         batch["hidden"], batch["feats"] = features(target.params, batch["tokens"])

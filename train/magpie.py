@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import pathlib
 import random
+import time
 from collections.abc import Iterable
 
 from train import datasets
@@ -114,7 +115,7 @@ def seed_plan(n: int, seed: int, domains: dict[str, float] | None = None) -> lis
 def magpie_prompts(target, n: int, *, seed: int = 0, batch_size: int = 64, max_query_tokens: int = 96,
                    temperature: float = 1.0, top_p: float = 1.0, banned: Iterable[str] = (),
                    domains: dict[str, float] | None = None, max_rounds: int = 4, progress: bool = False,
-                   decoder=None) -> list[tuple[str, str]]:
+                   decoder=None, deadline: float | None = None, kernels: str = "auto") -> list[tuple[str, str]]:
     """Up to `n` distinct (domain, query) pairs written by `target` from its pre-query prefix.
 
     Args:
@@ -125,6 +126,8 @@ def magpie_prompts(target, n: int, *, seed: int = 0, batch_size: int = 64, max_q
       banned: normalised texts never to return (`eval_prompts()`).
       domains: weights over `SEEDS`' domains (default equal).
       decoder: a `regenerate.SlotDecoder` of the same settings and seed to reuse (its compiled steps).
+      deadline: a `time.monotonic()` time after which no further query is waited for (those finished count).
+      kernels: the slot decoder's attention (dspark_jax.kernels: "auto", "pallas" or "reference").
 
     Returns:
       list of (domain, query), in request order; fewer than n only if the model keeps failing the filters.
@@ -141,36 +144,50 @@ def magpie_prompts(target, n: int, *, seed: int = 0, batch_size: int = 64, max_q
     banned = frozenset(banned)
     base = tok.encode(prefix, add_special_tokens=False)
     settings = SlotSettings(batch=batch_size, capacity=-(-(len(base) + 16 + max_query_tokens + 1) // 32) * 32,
-                            max_new_tokens=max_query_tokens, temperature=temperature, top_p=top_p)
+                            max_new_tokens=max_query_tokens, temperature=temperature, top_p=top_p, kernels=kernels)
     decoder = SlotDecoder(target, settings, seed) if decoder is None else decoder  # compiled once, all rounds
     seen: set[str] = set()
     kept: list[tuple[str, str]] = []
     bar = tqdm(total=n, desc="magpie queries", unit="query", disable=not progress)
     want, offset = n, 0
+    done: dict[int, list[int]] = {}  # by global request index, over all rounds
+
+    def on_done(i: int, resp: list[int]) -> None:
+        done[i] = resp
+        if deadline is not None and time.monotonic() > deadline:
+            raise _OutOfTime
+
     for r in range(max_rounds):
         plan = seed_plan(want, seed + r, domains)
         # The prefix ends where the user's first word starts (ChatML: after "user\n"): the seed words follow it.
         prompts = [base + tok.encode(w, add_special_tokens=False) for _, w in plan]
-        done: dict[int, list[int]] = {}
         # Global request indices key the sampling streams: no two requests of any round share one.
-        generate_slots(target, ((offset + i, p) for i, p in enumerate(prompts)), settings=settings, seed=seed,
-                       eos_ids=[stop], on_done=done.__setitem__, decoder=decoder)
+        out_of_time = False
+        try:
+            generate_slots(target, ((offset + i, p) for i, p in enumerate(prompts)), settings=settings, seed=seed,
+                           eos_ids=[stop], on_done=on_done, decoder=decoder)
+        except _OutOfTime:
+            out_of_time = True
         before = len(kept)
         for i, (domain, words) in enumerate(plan):
-            resp = done[offset + i]
-            if not resp or resp[-1] != stop:  # ran out of tokens before closing its turn
+            resp = done.get(offset + i)
+            if not resp or resp[-1] != stop:  # unfinished, or ran out of tokens before closing its turn
                 continue
             text = keep_query(words + tok.decode(resp[:-1], skip_special_tokens=False), seen, banned)
             if text is not None and len(kept) < n:
                 kept.append((domain, text))
         offset += len(plan)
         bar.update(len(kept) - before)
-        if len(kept) >= n:
+        if len(kept) >= n or out_of_time:
             break
         rate = max(len(kept) - before, 1) / len(plan)
         want = min(8 * n, int((n - len(kept)) / rate * 1.2) + 1)
     bar.close()
     return kept
+
+
+class _OutOfTime(Exception):
+    pass
 
 
 __all__ = ["SEEDS", "end_of_turn_id", "eval_prompts", "keep_query", "magpie_prompts", "seed_plan",

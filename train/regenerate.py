@@ -112,6 +112,7 @@ class SlotSettings:
     max_new_tokens: int
     temperature: float
     top_p: float
+    kernels: str = "auto"  # attention: Pallas kernel or jnp path (dspark_jax.kernels)
 
 
 class SlotDecoder:
@@ -135,7 +136,7 @@ class SlotDecoder:
         model = nnx.merge(self.target.graphdef, params)
         b, Tb = tokens.shape
         small = model.init_cache(b, Tb)
-        h, small, _ = model(tokens, small, lengths, compute_logits=False, kernels="auto")
+        h, small, _ = model(tokens, small, lengths, compute_logits=False, kernels=self.s.kernels)
         logits = model.head(h[jnp.arange(b), lengths - 1])
         keys = jax.vmap(lambda i: row_key(self.base, i, 0))(indices)
         first = _maybe_greedy(logits, sample_top_p(logits, keys, self.s.temperature, self.s.top_p), greedy)
@@ -149,7 +150,7 @@ class SlotDecoder:
         where `greedy` [B])."""
         self.traces["step"] += 1
         model = nnx.merge(self.target.graphdef, params)
-        logits, cache, _ = model(anchor[:, None], cache, live.astype(jnp.int32), kernels="auto")
+        logits, cache, _ = model(anchor[:, None], cache, live.astype(jnp.int32), kernels=self.s.kernels)
         keys = jax.vmap(lambda i, t: row_key(self.base, i, t))(indices, steps)
         return cache, _maybe_greedy(logits[:, 0], sample_top_p(logits[:, 0], keys, self.s.temperature, self.s.top_p),
                                     greedy)
