@@ -732,7 +732,9 @@ def create_engine(config: EngineConfig | None = None, *, target_obj=None, drafte
                          f"{dtype} or pass dtype='auto'")
     kv_dtype = resolve_dtype(config.kv_dtype, auto=dtype)
     log.info("dtype: %s (weights and activations), KV cache: %s", dtype, kv_dtype)
-    target = target_obj if target_obj is not None else load_target(config.target, dtype)
+    # The mesh comes first so a tensor-parallel target streams straight into its shards (weights.load_sharded).
+    mesh = make_mesh(*config.mesh_shape) if config.mesh_shape != (1, 1) else None
+    target = target_obj if target_obj is not None else load_target(config.target, dtype, mesh=mesh)
     drafter_name = config.drafter
     if drafter_name == "auto" and drafter_obj is None:
         drafter_name = default_drafter(config.target) if target_obj is None else None
@@ -756,7 +758,6 @@ def create_engine(config: EngineConfig | None = None, *, target_obj=None, drafte
         raise ValueError(f"max_model_len {max_model_len} exceeds the target's {limit}")
     block_size = drafter.config.block_size if drafter is not None else 0
     max_pages = -(-(max_model_len + block_size + 1) // config.page_size)
-    mesh = make_mesh(*config.mesh_shape) if config.mesh_shape != (1, 1) else None
     runner = ModelRunner(target, drafter, max_batch=config.max_batch,
                          num_pages=config.num_pages or config.max_batch * max_pages, page_size=config.page_size,
                          max_pages=max_pages, chunk_sizes=config.chunk_sizes, kernels=config.kernels, mesh=mesh,
