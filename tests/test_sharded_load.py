@@ -80,7 +80,19 @@ SCRIPT = textwrap.dedent("""
     whole = jax.tree.leaves(nnx.state(build_decoder(ModelConfig.from_hf(config), tensors, mesh=mesh)))
     as_gguf = all(x.sharding == y.sharding and np.array_equal(np.asarray(x), np.asarray(y))
                   for x, y in zip(whole, jax.tree.leaves(pure), strict=True))
-    json.dump(dict(model=sum(sizes), largest=max(sizes), host_peak=host_peak, per_device=list(per_device.values()),
+    # The server's path: create_engine(mesh_shape=...) hands its mesh to load_target (stopped right there).
+    import dspark_jax.target as target_module
+    from serve.engine import EngineConfig, create_engine
+    seen = {{}}
+    def spy(spec, dtype, mesh=None):
+        seen["mesh"] = None if mesh is None else dict(mesh.shape)
+        raise StopIteration
+    target_module.load_target = spy
+    try:
+        create_engine(EngineConfig(target=d, drafter="none", mesh_shape=(1, 8)))
+    except StopIteration:
+        pass
+    json.dump(dict(engine_mesh=seen.get("mesh"), model=sum(sizes), largest=max(sizes), host_peak=host_peak, per_device=list(per_device.values()),
                    laid_out=laid, no_copy=same, as_gguf=as_gguf, shards=len(files),
                    max_diff=float(np.abs(meshed - single).max())), open({out!r}, "w"))
 """)
@@ -94,6 +106,7 @@ def test_tensor_parallel_load_streams_shards(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(out.read_text())
     print(facts)  # pytest -s shows the measured numbers
+    assert facts["engine_mesh"] == {"data": 1, "model": 8}, facts
     assert facts["laid_out"] and facts["no_copy"] and facts["as_gguf"], facts
     assert max(facts["per_device"]) <= facts["model"] / 8 * 1.1, facts
     assert facts["host_peak"] <= 2 * facts["largest"] * 1.1, facts
