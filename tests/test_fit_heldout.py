@@ -33,11 +33,10 @@ def _heldout_cfg(data, heldout, out, **optim):
                               f"heldout.sets={{t1: {heldout}}}", "heldout.sequences=5", "heldout.anchors_per_seq=6"])
 
 
-def test_fit_logs_heldout_acceptance_and_saves_the_best_step(tiny, heldout_dir, tmp_path):  # noqa: F811
+def test_fit_logs_heldout_acceptance_and_saves_the_best_step(tiny, heldout_dir, tmp_path, monkeypatch):  # noqa: F811
     import orbax.checkpoint as ocp
 
     from train.fit import fit
-    from train.heldout import HeldoutSets, make_eval_fn
 
     target, data = tiny
     # A learning rate far too high: held-out acceptance rises at first, then collapses, so the best step is not the
@@ -71,10 +70,15 @@ def test_fit_logs_heldout_acceptance_and_saves_the_best_step(tiny, heldout_dir, 
         assert mine.keys() == theirs.keys()
         for k in mine:
             np.testing.assert_array_equal(mine[k], theirs[k], err_msg=f"step {step}: {k}")
-    # ... and re-measured, it gives the logged best value.
-    sets = HeldoutSets({"t1": heldout_dir}, sequences=5, seq_len=32, anchors_per_seq=6, batch_sequences=4,
-                       block_size=4)
-    again = sets.evaluate(make_eval_fn(target, saved), nnx.to_pure_dict(saved.params))
+    # ... and re-measured by `python -m train heldout`, it gives the logged best value.
+    from dspark_jax import target as target_module
+    from train.__main__ import main
+
+    monkeypatch.setattr(target_module, "load_target", lambda spec: target)  # a tiny model has no tokenizer
+    assert main(["heldout", "--drafters", str(tmp_path / "drafter"), "--sets", f"t1={heldout_dir}", "--target",
+                 target.source, "--sequences", "5", "--anchors", "6", "--seq-len", "32", "--batch", "4",
+                 "--out", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())["drafters"][str(tmp_path / "drafter")]
     assert np.mean(again["t1"]["c_star"]) == pytest.approx(max(summaries), abs=1e-5)
 
 

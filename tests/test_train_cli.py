@@ -10,7 +10,8 @@ import pytest
 from train.__main__ import main
 
 
-@pytest.mark.parametrize("sub", [[], ["prepare"], ["features"], ["fit"], ["calibrate"], ["eval"]])
+@pytest.mark.parametrize("sub", [[], ["prepare"], ["features"], ["fit"], ["calibrate"], ["eval"], ["heldout"],
+                                 ["vocab"]])
 def test_help(sub, capsys):
     with pytest.raises(SystemExit) as e:
         main([*sub, "--help"])
@@ -27,6 +28,8 @@ def test_bad_config_and_missing_data_are_clear_errors(tmp_path, capsys):
     bad.write_text("optim: {steps: [1, 2}\n")
     assert main(["fit", "--config", str(bad)]) == 2
     assert "not valid YAML" in capsys.readouterr().err
+    assert main(["heldout", "--drafters", "x", "--sets", "no-equals-sign"]) == 2
+    assert "NAME=DIR" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs():

@@ -6,6 +6,7 @@
   calibrate  sequential temperature scaling of a DSpark drafter's confidence head on held-out data
   eval       τ per domain and position-wise conditional acceptance (paper Fig. 2) for a set of drafters
   launch     run `fit` as N processes of one multi-process JAX runtime (one global mesh; see train/launch.py)
+  heldout    teacher-forced held-out acceptance (c*, top-1) per draft position of saved drafters
   vocab      size a draft vocabulary from the target's T = 1 mass on prepared T = 1 text; report its outside mass
 """
 
@@ -76,6 +77,37 @@ def _eval(args) -> None:
     from train.evaluate import eval_cli
 
     eval_cli(args)
+
+
+def _heldout(args) -> None:
+    import numpy as np
+    from flax import nnx
+
+    from dspark_jax.drafter import load_drafter
+    from dspark_jax.target import load_target
+    from train.heldout import HeldoutSets, make_eval_fn
+
+    sets = {}
+    for item in args.sets:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--sets expects NAME=DIR, got {item!r}")
+        sets[name] = path
+    target = load_target(args.target)
+    out = {}
+    for spec in args.drafters:
+        drafter = load_drafter(spec, target, dtype=np.float32)
+        held = HeldoutSets(sets, sequences=args.sequences, seq_len=args.seq_len, anchors_per_seq=args.anchors,
+                           batch_sequences=args.batch, block_size=drafter.config.block_size)
+        out[spec] = held.evaluate(make_eval_fn(target, drafter), nnx.to_pure_dict(drafter.params))
+        for name, r in out[spec].items():
+            print(f"{spec} on {name}: c* mean {np.mean(r['c_star']):.4f} (position 1 {r['c_star'][0]:.4f}), "
+                  f"top-1 mean {np.mean(r['top1']):.4f}; {r['slots'][0]} anchors", flush=True)
+    print(json.dumps(out))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"sets": sets, "sequences": args.sequences, "seq_len": args.seq_len,
+                       "anchors_per_seq": args.anchors, "drafters": out}, f, indent=1)
 
 
 def _vocab(args) -> None:
@@ -218,6 +250,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for eval.json and the PNG curves (default: reports/<today>/eval)")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_eval)
+
+    h = sub.add_parser("heldout", help="held-out c* and top-1 per draft position (train/heldout.py)",
+                       description="The measure `fit` logs with heldout.every, for saved drafters: teacher-forced "
+                       "c*_k (the T = 1 acceptance) and top-1 agreement (the T = 0 acceptance on greedy text) on the "
+                       "first --sequences records of each set, fixed windows and anchors.")
+    h.add_argument("--drafters", nargs="+", required=True, help="drafter directories or shipped names")
+    h.add_argument("--sets", nargs="+", required=True, metavar="NAME=DIR", help="prepared shards never trained on")
+    h.add_argument("--target", default="smollm2-135m-instruct", help="target name, HF directory or .gguf file")
+    h.add_argument("--sequences", type=int, default=64, help="records per set")
+    h.add_argument("--anchors", type=int, default=16, help="anchors per record window")
+    h.add_argument("--seq-len", type=int, default=256, help="window length")
+    h.add_argument("--batch", type=int, default=4, help="windows per forward")
+    h.add_argument("--out", default=None, help="write the results here (JSON)")
+    h.set_defaults(func=_heldout)
 
     v = sub.add_parser("vocab", help="size a draft vocabulary by the target's T = 1 mass (train/vocab.py)",
                        description="Ranks tokens by the target's T = 1 probability mass summed over the response "
