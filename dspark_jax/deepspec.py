@@ -281,12 +281,12 @@ def _check_frozen_copies(frozen_shapes, frozen_rows, target, cfg: DrafterConfig,
 
 
 def load(path: str, target):
-    """Reads a DeepSpec checkpoint directory as a `Drafter` for `target` (parameters cast to the target's dtype).
+    """Reads a DeepSpec checkpoint directory for `target`: (DrafterConfig, DrafterModel) with parameters cast to
+    the target's dtype. `dspark_jax.drafter.load_drafter` binds them into a `Drafter`.
 
     Raises:
         ValueError with a one-line message for a missing, corrupt, unsupported or mismatched checkpoint.
     """
-    from dspark_jax.drafter import Drafter
     from dspark_jax.drafter_model import DrafterModel
 
     cfg_path = os.path.join(path, "config.json")
@@ -334,9 +334,7 @@ def load(path: str, target):
                              f"{tuple(spec.shape)}")
         filled[key] = jnp.asarray(ours[p], dtype=target.dtype)
     nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(filled))
-    drafter = Drafter(cfg, nnx.merge(graphdef, state))
-    drafter.check_target(target)
-    return drafter
+    return cfg, nnx.merge(graphdef, state)
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------

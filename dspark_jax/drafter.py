@@ -316,7 +316,8 @@ def load_drafter(path: str, target, *, dtype=None) -> Drafter:
     dtype = target.dtype if dtype is None else dtype
     path = resolve_drafter(path)
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)) and deepspec.is_checkpoint(path):
-        drafter = deepspec.load(path, target)  # in the target's dtype
+        drafter = Drafter(*deepspec.load(path, target))  # in the target's dtype
+        drafter.check_target(target)
         return drafter if jnp.dtype(dtype) == jnp.dtype(target.dtype) else drafter.with_params(
             jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, drafter.params))
     cfg_path = os.path.join(path, CONFIG_FILE)

@@ -22,7 +22,7 @@ PACKAGES = ("dspark_jax", "serve", "train", "pallas_kernels")
 NOT_MODULES = {"__init__", "__main__"}
 QUICKSTART = ('pip install -e ".[dev]" && python -m dspark_jax.serve', "python -m pytest -q -n 2 --dist loadfile")
 ROUNDS = r"session[ _-]?[0-9]|(this|next|last|each) session|across sessions"  # the acceptance check
-DOCS = ("docs/serving.md", "docs/training.md", "docs/kernels.md", "docs/benchmarks.md")
+DOCS = ("docs/architecture.md", "docs/serving.md", "docs/training.md", "docs/kernels.md", "docs/benchmarks.md")
 
 
 def _load_check_docs():

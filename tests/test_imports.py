@@ -47,3 +47,49 @@ def test_train_and_serve_never_import_each_other():
         assert "serve" not in _imports(f), f.name
     for f in _package("serve"):
         assert "train" not in _imports(f), f.name
+
+
+def _module_edges() -> dict[str, set[str]]:
+    """Module → the project modules it imports (any depth of the file: function-level imports count too)."""
+    names = {}
+    for pkg in ("dspark_jax", "serve", "train", "pallas_kernels"):
+        for f in _package(pkg):
+            mod = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            names[mod.removesuffix(".__init__")] = f
+    edges = {}
+    for mod, f in names.items():
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            found = []
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                if node.level:
+                    parts = mod.split(".")[: len(mod.split(".")) - node.level + (f.name == "__init__.py")]
+                    base = ".".join(parts + [node.module])
+                found = [base] + [f"{base}.{a.name}" for a in node.names]
+            out |= {n for n in found if n in names and n != mod}
+        edges[mod] = out
+    return edges
+
+
+def test_no_import_cycle_between_project_modules():
+    """A cycle (e.g. decoding ↔ spec_decode) makes import order matter and hides which module owns a concept.
+    Package __init__ files are left out: re-exporting is not ownership."""
+    edges = {m: {n for n in e if not n.count(".") == 0} for m, e in _module_edges().items() if "." in m}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " → ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert len(edges) > 50, len(edges)  # the walk saw the project
