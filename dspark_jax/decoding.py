@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.buckets import pick, round_up
 from dspark_jax.kernels import KernelConfig
-from dspark_jax.keys import VERIFY, row_key_data
+from dspark_jax.keys import VERIFY, fold_rows, row_key_data
 from dspark_jax.policy import Policy
-from dspark_jax.runner import ModelRunner, pick
-from dspark_jax.sampling import all_greedy, filter_probs, sample
+from dspark_jax.runner import ModelRunner
+from dspark_jax.sampling import all_greedy, check_params, filter_probs, sample
 from dspark_jax.target import dtype_name, resolve_dtype
 from dspark_jax.verification import acceptance_counts
 
@@ -41,20 +42,6 @@ class GenerateResult:
     tokens: list[list[int]]
     stats: dict
     timings: dict
-
-
-def round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def row_keys(seed: int, batch: int) -> jax.Array:
-    """Typed PRNG keys [B]: row b's stream is fold_in(key(seed), b)."""
-    base = jax.random.key(seed)
-    return jax.vmap(lambda b: jax.random.fold_in(base, b))(jnp.arange(batch))
-
-
-def step_keys(keys: jax.Array, step) -> jax.Array:
-    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
 
 
 def pad_prompts(prompts: list[list[int]], multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -84,17 +71,12 @@ def decode_step(graphdef, params, cache, anchor, keys, step, temperature, top_k,
     model = nnx.merge(graphdef, params)
     logits, cache, _ = model(anchor[:, None], cache, kernels=kernels)
     probs = filter_probs(logits[:, 0], temperature, top_k, top_p)
-    return cache, sample(step_keys(step_keys(keys, step), VERIFY), probs, all_greedy(temperature))
+    return cache, sample(fold_rows(keys, step, VERIFY), probs, all_greedy(temperature))
 
 
 def sampling_arrays(batch: int, temperature: float, top_k: int, top_p: float):
-    """Validates sampling parameters and broadcasts them to per-row arrays."""
-    if not (temperature >= 0.0 and np.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    """Checks sampling parameters (`sampling.check_params`) and broadcasts them to per-row arrays."""
+    temperature, top_k, top_p = check_params(temperature, top_k, top_p)
     return (jnp.full((batch,), temperature, jnp.float32), jnp.full((batch,), top_k, jnp.int32),
             jnp.full((batch,), top_p, jnp.float32))
 

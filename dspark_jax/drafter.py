@@ -28,15 +28,12 @@ from dspark_jax import deepspec, draft_vocab
 from dspark_jax import kernels as kernels_lib
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead, calibration
+from dspark_jax.keys import fold_rows
 from dspark_jax.sampling import all_greedy, filter_probs, sample
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"
 PARAMS_DIR = "params"  # the Orbax layout of older checkpoints (read only)
-
-
-def _step_keys(keys, k):
-    return jax.vmap(lambda key: jax.random.fold_in(key, k))(keys)
 
 
 def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor, keys, temperature, top_k, top_p,
@@ -101,7 +98,7 @@ def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, te
         e = model.markov_embedding(prev)  # [B, R]
         bias, state = model.sequential_bias(e, h_k, state)
         probs = filter_probs(U_k + bias, temperature, top_k, top_p)
-        x = draft_vocab.to_target(sample(_step_keys(keys, k), probs, greedy), cfg)  # target ids feed W1
+        x = draft_vocab.to_target(sample(fold_rows(keys, k), probs, greedy), cfg)  # target ids feed W1
         conf = jax.nn.sigmoid(model.confidence_logit(h_k, e) / t_k + b_k) if cfg.confidence else jnp.ones((B,))
         return (x, state), (x, probs, conf)
 
@@ -167,7 +164,7 @@ def draft_eagle(model: DrafterModel, head: TargetHead, step, anchor, feature, ex
         tok, feat, extra = carry
         out, h, extra = step(tok, feat, k, extra)
         probs = filter_probs(draft_vocab.head_logits(head, h, cfg), temperature, top_k, top_p)
-        x = draft_vocab.to_target(sample(_step_keys(keys, k), probs, greedy), cfg)
+        x = draft_vocab.to_target(sample(fold_rows(keys, k), probs, greedy), cfg)
         return (x, out.astype(feat.dtype), extra), (x, probs)
 
     _, (tok, probs) = jax.lax.scan(body, (anchor, feature, extra), jnp.arange(L))

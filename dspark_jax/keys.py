@@ -5,7 +5,9 @@ A request owns one key, `request_key_data(seed)` — raw threefry key data uint3
 seeds. Its round r (r = 0 is the token sampled after prefill) draws from
     fold_in(fold_in(key, r), salt),   salt 0 = drafting, salt 1 = verification / target sampling,
 so a request's tokens depend only on its own seed and round, never on which other requests share its batch.
-`generate` gives batch row b the key of fold_in(key(seed), b).
+`generate` gives batch row b the key of fold_in(key(seed), b); training-data regeneration gives prompt i at
+decode step t the key fold_in(fold_in(key(seed), i), t). Every fold of a key in the project goes through
+`fold` / `fold_rows` here.
 """
 
 from __future__ import annotations
@@ -35,7 +37,24 @@ def row_key_data(seed: int, rows: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(keys))
 
 
+def row_keys(seed: int, rows: int) -> jax.Array:
+    """Typed keys [rows]: `generate`'s row b gets fold_in(key(seed), b) (`row_key_data`, wrapped)."""
+    return jax.random.wrap_key_data(jnp.asarray(row_key_data(seed, rows)))
+
+
+def fold(key: jax.Array, *data) -> jax.Array:
+    """fold_in(…fold_in(key, data[0])…, data[-1]) for one typed key."""
+    for d in data:
+        key = jax.random.fold_in(key, d)
+    return key
+
+
+def fold_rows(keys: jax.Array, *data) -> jax.Array:
+    """`fold` per row of typed keys [B]; each datum is a scalar (the same for every row) or an array [B]."""
+    axes = (0,) + tuple(None if jnp.ndim(d) == 0 else 0 for d in data)
+    return jax.vmap(fold, in_axes=axes)(keys, *data)
+
+
 def round_keys(key_data: jax.Array, rounds: jax.Array, salt: int) -> jax.Array:
     """Typed keys [B] for this round: fold_in(fold_in(key, round), salt), from key data uint32 [B, 2]."""
-    keys = jax.random.wrap_key_data(key_data.astype(jnp.uint32))
-    return jax.vmap(lambda k, r: jax.random.fold_in(jax.random.fold_in(k, r), salt))(keys, rounds)
+    return fold_rows(jax.random.wrap_key_data(key_data.astype(jnp.uint32)), rounds, salt)

@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import draft_vocab
-from dspark_jax.decoding import pad_prompts, prefill, round_up
+from dspark_jax.buckets import round_up
+from dspark_jax.decoding import pad_prompts, prefill
 from dspark_jax.drafter import drafter_prefill
 from dspark_jax.drafter_model import DrafterCache, DrafterModel, TargetHead, calibration
 

@@ -42,6 +42,7 @@ from flax import nnx
 
 from dspark_jax import draft_vocab
 from dspark_jax import kernels as kernels_lib
+from dspark_jax.buckets import capacity_buckets, pick, pow2_buckets
 from dspark_jax.drafter import draft_eagle, draft_from_hidden
 from dspark_jax.drafter_model import TargetHead
 from dspark_jax.keys import DRAFT, VERIFY, round_keys
@@ -74,23 +75,6 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 PROGRAMS = ("jit(prefill_program)", "jit(draft_program)", "jit(verify_program)", "jit(advance)")
 NUM_TOP_LOGPROBS = 20  # top alternatives computed when any request of a pass asks for logprobs
 PROFILE_BLOCKS = 2  # profiling: interleaved rounds of chained steps per shape, the fastest counts (`_profile_shapes`)
-
-
-def pow2_buckets(top: int, start: int = 1) -> tuple[int, ...]:
-    """Powers of two from `start` below `top`, and `top` itself."""
-    out, b = [], start
-    while b < top:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (top,)
-
-
-def pick(n: int, buckets) -> int:
-    """The smallest bucket ≥ n."""
-    for b in buckets:
-        if b >= n:
-            return int(b)
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclasses.dataclass
@@ -367,7 +351,7 @@ class ModelRunner:
         self.chunk_sizes, self.kernels = tuple(sorted(chunk_sizes)), kernels
         self.L = drafter.config.block_size if drafter is not None else 0
         self.batch_buckets = pow2_buckets(max_batch)
-        self.capacities = pow2_buckets(max_batch * (self.L + 1))
+        self.capacities = capacity_buckets(max_batch, self.L)
         from dspark_jax.sharding import paged_sharding
 
         # Every host value a program takes is placed (committed) here, as device outputs fed back are: jit

@@ -22,8 +22,36 @@ sync, and a one-hot distribution returns its argmax deterministically.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
+
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
+
+
+def check_params(temperature, top_k, top_p, vocab: int | None = None) -> tuple[float, int, float]:
+    """The one check of sampling parameters, for `generate`, the engine and the HTTP server: returns them
+    normalised (temperature below GREEDY_BELOW → 0, greedy; top_k −1, 0 or ≥ vocab → 0, off) or raises
+    ValueError with a message meant for the caller.
+
+    Accepted: temperature a finite number ≥ 0; top_k an integer ≥ −1 (−1 and 0: off, as vLLM and OpenAI
+    clients send); top_p in (0, 1].
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            math.isfinite(temperature) and temperature >= 0.0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not (
+            math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < -1:
+        raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {top_k!r}")
+    t = float(temperature)
+    k = int(top_k)
+    if k <= 0 or (vocab is not None and k >= vocab):
+        k = 0
+    return (0.0 if t < GREEDY_BELOW else t), k, float(top_p)
 
 
 def filter_probs(
@@ -72,11 +100,6 @@ def all_greedy(temperature: jax.Array) -> jax.Array:
     return jnp.all(jnp.asarray(temperature) <= 0.0)
 
 
-def row_keys(key: jax.Array, n: int) -> jax.Array:
-    """One independent key per batch row: `jax.random.split(key, n)`, shape [n, ...key shape]."""
-    return jax.random.split(key, n)
-
-
 def _is_batched_key(key: jax.Array) -> bool:
     """True for a leading batch axis of keys: typed [B] or raw uint32 [B, 2]."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -98,7 +121,7 @@ def sample(key: jax.Array, probs: jax.Array, all_greedy: jax.Array | None = None
 
     Args:
       key: a single PRNG key (typed scalar or raw uint32 [2]) used for the whole array, or one key per
-        batch row (typed [B] or raw uint32 [B, 2], e.g. from `row_keys`), in which case row b is sampled
+        batch row (typed [B] or raw uint32 [B, 2], e.g. from `dspark_jax.keys`), in which case row b is sampled
         with keys[b] alone, so a request's samples do not depend on which batch it shares.
       probs: f32 [B, V] or [B, T, V]; need not be normalised; must have a positive entry per row.
 

@@ -24,6 +24,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     from dspark_jax import decoding
+    from dspark_jax.keys import row_keys
     from dspark_jax.target import load_target
     from train.regenerate import SlotDecoder, SlotSettings
 
@@ -37,7 +38,7 @@ def main() -> None:
         anchor, idx, live = first, np.arange(B), np.ones(B, bool)
         cache_old = target.init_cache(B, 576).with_lengths(jnp.full((B,), 100, jnp.int32))
         temp, tk, tp = decoding.sampling_arrays(B, 0.2, 0, 0.9)
-        keys = decoding.row_keys(0, B)
+        keys = row_keys(0, B)
         a_old = jnp.asarray(first)
         old, new = [], []
         for r in range(args.rounds + 1):  # round 0 compiles

@@ -81,7 +81,9 @@ def ours_run(target, prompts: np.ndarray, steps: int, sampler: bool):
     """Prefill + `steps` decode steps; returns (prefill_s, decode_s, tokens [B, steps + 1])."""
     import jax.numpy as jnp
 
-    from dspark_jax.decoding import decode_step, prefill, round_up, row_keys, sampling_arrays
+    from dspark_jax.buckets import round_up
+    from dspark_jax.decoding import decode_step, prefill, sampling_arrays
+    from dspark_jax.keys import row_keys
 
     B, P = prompts.shape
     cache = target.init_cache(B, round_up(P + steps + 1, 64))  # a dense cache of the prompt + new tokens

@@ -32,6 +32,7 @@ import numpy as np
 
 from dspark_jax.keys import request_key_data
 from dspark_jax.policy import Policy
+from dspark_jax.sampling import check_params
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
 from serve.runner_api import Runner
@@ -158,21 +159,14 @@ class EngineCore:
         if n + p.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's context of "
                              f"{self.max_model_len} tokens")
-        t = float(p.temperature)
-        if not (np.isfinite(t) and t >= 0.0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
-        if not (np.isfinite(p.top_p) and 0.0 < p.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
-        if not isinstance(p.top_k, (int, np.integer)) or p.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {p.top_k!r}")
+        temperature, top_k, _ = check_params(p.temperature, p.top_k, p.top_p, vocab=V)
         if p.seed is not None:
             request_key_data(p.seed)  # raises for seeds outside 64 bits
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}")
-        top_k = 0 if (p.top_k <= 0 or p.top_k >= V) else int(p.top_k)
-        params = dataclasses.replace(p, temperature=0.0 if t < 1e-5 else t, top_k=top_k)
+        params = dataclasses.replace(p, temperature=temperature, top_k=top_k)
         return dataclasses.replace(request, prompt_ids=[int(x) for x in ids], params=params)
 
     def add_request(self, request: EngineRequest) -> None:
@@ -625,13 +619,6 @@ class Engine:
                 return True
             time.sleep(0.01)
         return False
-
-
-def capacity_buckets(max_batch: int, block_size: int) -> tuple[int, ...]:
-    """Static verification capacities: powers of two up to, and including, max_batch · (L + 1)."""
-    from dspark_jax.runner import pow2_buckets
-
-    return pow2_buckets(max_batch * (block_size + 1))
 
 
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the length taken from the target's config

@@ -56,7 +56,6 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 1024
 MAX_JSON_DEPTH = 32
-MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM does): the softmax would overflow anyway
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

@@ -27,6 +27,7 @@ import typing
 import jax
 import numpy as np
 
+from dspark_jax.buckets import pick
 from dspark_jax.policy import Policy
 from dspark_jax.scheduling import (
     capacity_search_host,
@@ -39,14 +40,6 @@ from serve.sps_table import SpsTable
 
 PROBE_EVERY = 8  # dspark: after this many plain steps in a row, one probe refreshes the confidences
 PROBE_MAX = 64  # dspark: the longest run of plain steps between probes (the run doubles while drafts do not pay)
-
-
-def pick_bucket(tokens: int, buckets) -> int:
-    """The smallest capacity bucket ≥ tokens."""
-    for b in buckets:
-        if b >= tokens:
-            return int(b)
-    raise ValueError(f"{tokens} tokens exceed the largest capacity bucket {buckets[-1]}")
 
 
 # Jitted once per shape: eager jnp here would cost dozens of small dispatches on every engine step.
@@ -246,7 +239,7 @@ class _Priced:
         return self._token_tables[key]
 
     def plain(self, info: RoundInfo) -> Plan:
-        return Plan(StepKind.PLAIN, pick_bucket(info.rows, self.capacities))
+        return Plan(StepKind.PLAIN, pick(info.rows, self.capacities))
 
     def observe(self, index: int, request_ids, plan: Plan, result) -> None:
         pass
@@ -269,7 +262,7 @@ class HostLengths(_Priced):
     def plan(self, info: RoundInfo) -> Plan:
         lengths = host_lengths(self.policy, info.confidence, info.active, self.L,
                                self.token_sps(info.batch_rows, info.context)[0])
-        return Plan(StepKind.SPECULATE, pick_bucket(int(info.rows + lengths.sum()), self.capacities),
+        return Plan(StepKind.SPECULATE, pick(int(info.rows + lengths.sum()), self.capacities),
                     lengths=lengths)
 
 
@@ -303,10 +296,10 @@ class DsparkScheduler(_Priced):
         if budget == 0 and not self.probed:  # no draft token pays: a draft pass would verify none of them
             return self.plain(info)
         if self.probed:  # a probe is for its draft pass (fresh confidences): it verifies no draft token, as the
-            return Plan(StepKind.PROBE, pick_bucket(R, self.capacities), read_confidence=True)  # cost model
+            return Plan(StepKind.PROBE, pick(R, self.capacities), read_confidence=True)  # cost model
             # has just priced verifying them below a plain step
         predicted = None if raw is None else _top_gain(raw[:R], budget)
-        return Plan(StepKind.SPECULATE, pick_bucket(R + budget, self.capacities), budget=budget,
+        return Plan(StepKind.SPECULATE, pick(R + budget, self.capacities), budget=budget,
                     read_confidence=True, predicted=predicted)
 
     def observe(self, index: int, request_ids, plan: Plan, result) -> None:

@@ -43,12 +43,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark_jax.sampling import check_params
 from serve import responses as R
 from serve.generation import Admission, ClientDisconnected, Generation, Prompt, echo_of
 from serve.metrics import ServerMetrics
 from serve.protocol import (
     INT64_MAX,
-    MIN_TEMPERATURE,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -231,12 +231,14 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
         if stop_ids and max(stop_ids) >= vocab:
             raise APIError(f"stop token id {max(stop_ids)} is outside the vocabulary [0, {vocab})",
                            param="stop_token_ids", code="invalid_value")
-        top_k = req.top_k or 0
-        top_k = top_k if 0 < top_k < vocab else 0  # -1 and 0 are off; keeping >= vocab tokens is keeping all
-        temperature = 1.0 if req.temperature is None else req.temperature
+        try:  # the body's bounds are checked already (serve/protocol.py); this normalises them as the engine does
+            temperature, top_k, top_p = check_params(1.0 if req.temperature is None else req.temperature,
+                                                     req.top_k or 0, 1.0 if req.top_p is None else req.top_p,
+                                                     vocab=vocab)
+        except ValueError as e:
+            raise APIError(str(e), param="temperature/top_k/top_p", code="invalid_value") from None
         k = req.logprobs_k()
-        base = SamplingParams(max_tokens=max_tokens, temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
-                              top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed,
+        base = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=req.seed,
                               stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), logprobs=k,
                               prompt_logprobs=k if not chat and req.echo else None)
         return [dataclasses.replace(base, seed=None if req.seed is None else _wrap_int64(req.seed + i))

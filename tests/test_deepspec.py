@@ -200,9 +200,10 @@ def test_propose_agrees_with_the_decode_path(ds, hf_target, target, tmp_path):
     """`propose`'s tokens are what `draft_block` (generate's drafting) samples at T=0."""
     import jax.numpy as jnp
 
-    from dspark_jax.decoding import pad_prompts, prefill, row_keys
+    from dspark_jax.decoding import pad_prompts, prefill
     from dspark_jax.drafter import draft_block, drafter_prefill
     from dspark_jax.drafter_model import TargetHead
+    from dspark_jax.keys import row_keys
 
     d = dspark_jax.load_drafter(make_replica(ds, hf_target, str(tmp_path / "d"), "dspark-rnn"), target)
     tokens, lens = pad_prompts([PROMPTS[0]])
@@ -224,9 +225,10 @@ def test_propose_with_a_reduced_draft_vocabulary(target, kind):
     import jax.numpy as jnp
 
     from dspark_jax import draft_vocab
-    from dspark_jax.decoding import pad_prompts, prefill, row_keys
+    from dspark_jax.decoding import pad_prompts, prefill
     from dspark_jax.drafter import draft_block, drafter_prefill
     from dspark_jax.drafter_model import TargetHead
+    from dspark_jax.keys import row_keys
 
     subset = tuple(range(1, 128, 3))
     d = _randomised(target, kind=kind, draft_vocab=subset)

@@ -11,10 +11,10 @@ from flax import nnx
 
 import dspark_jax
 from dspark_jax.config import ModelConfig
-from dspark_jax.decoding import row_keys
 from dspark_jax.drafter import draft_block
 from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.drafter_model import DrafterModel, TargetHead
+from dspark_jax.keys import row_keys
 from dspark_jax.model import Decoder
 
 

@@ -28,8 +28,9 @@ import types
 import numpy as np
 import pytest
 
-from dspark_jax.runner import StepBatch, StepResult, pick, pow2_buckets
-from serve.engine import Engine, EngineCore, capacity_buckets
+from dspark_jax.buckets import capacity_buckets, pick, pow2_buckets
+from dspark_jax.runner import StepBatch, StepResult
+from serve.engine import Engine, EngineCore
 from serve.runner_api import Runner
 from serve.scheduler import Scheduler
 from serve.types import EngineRequest, SamplingParams

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.sampling import filter_probs, row_keys, sample
+from dspark_jax.sampling import filter_probs, sample
 
 # chi2.ppf(1 - 1e-3, df), computed with scipy.stats.chi2.ppf; a false alarm every 1,000 runs at most.
 CHI2_999 = {4: 18.4668, 5: 20.5150, 24: 51.1786}
@@ -120,7 +120,7 @@ def test_sample_frequencies_chi_square():
 
 def test_sample_per_row_keys_and_3d():
     probs = np.random.default_rng(3).dirichlet(np.ones(10), size=(4, 3)).astype(np.float32)
-    keys = row_keys(jax.random.key(4), 4)
+    keys = jax.random.split(jax.random.key(4), 4)
     got = jit_sample(keys, probs)
     assert got.shape == (4, 3) and got.dtype == jnp.int32
     # Row b depends on keys[b] and probs[b] only, not on which rows share its batch.
@@ -137,3 +137,18 @@ def test_chi2_constants():
     from scipy import stats  # a dev dependency: its absence is an error, not a skip
     for df, value in CHI2_999.items():
         assert abs(stats.chi2.ppf(0.999, df) - value) < 1e-3
+
+
+def test_check_params_is_the_one_validator_and_normalises():
+    from dspark_jax.sampling import check_params
+
+    assert check_params(0.7, 5, 0.9, vocab=100) == (0.7, 5, 0.9)
+    assert check_params(1e-6, -1, 1.0, vocab=100) == (0.0, 0, 1.0)  # greedy; -1 is off
+    assert check_params(1, 100, 1, vocab=100) == (1.0, 0, 1.0)  # keeping the whole vocabulary is off
+    assert check_params(1.0, 100, 1.0) == (1.0, 100, 1.0)  # no vocabulary given: kept as asked
+    for bad, field in (((-0.1, 0, 1.0), "temperature"), ((float("nan"), 0, 1.0), "temperature"),
+                       ((float("inf"), 0, 1.0), "temperature"), ((1.0, -2, 1.0), "top_k"),
+                       ((1.0, 2.5, 1.0), "top_k"), ((1.0, True, 1.0), "top_k"), ((1.0, 0, 0.0), "top_p"),
+                       ((1.0, 0, 1.5), "top_p"), ((1.0, 0, float("nan")), "top_p"), (("1", 0, 1.0), "temperature")):
+        with pytest.raises(ValueError, match=field):
+            check_params(*bad)

@@ -92,7 +92,8 @@ SCRIPT = textwrap.dedent("""
         create_engine(EngineConfig(target=d, drafter="none", mesh_shape=(1, 8)))
     except StopIteration:
         pass
-    json.dump(dict(engine_mesh=seen.get("mesh"), model=sum(sizes), largest=max(sizes), host_peak=host_peak, per_device=list(per_device.values()),
+    json.dump(dict(engine_mesh=seen.get("mesh"),
+                   model=sum(sizes), largest=max(sizes), host_peak=host_peak, per_device=list(per_device.values()),
                    laid_out=laid, no_copy=same, as_gguf=as_gguf, shards=len(files),
                    max_diff=float(np.abs(meshed - single).max())), open({out!r}, "w"))
 """)

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.decoding import round_up
+from dspark_jax.buckets import round_up
 from dspark_jax.drafter import Drafter
 from dspark_jax.drafter_model import TargetHead
 from dspark_jax.layers import apply_rope, rope_inv_freq
@@ -87,13 +87,19 @@ def init_train_state(params, tx: optax.GradientTransformation):
     return params, tx.init(params)
 
 
-def make_batch(key, tokens, lengths, min_anchor, batch_size: int) -> dict:
-    """Rows drawn with replacement, one anchor each: {tokens [B, T], lengths [B], anchors [B]}."""
+def make_batch(key, tokens, lengths, min_anchor, batch_size: int, anchors_per_seq: int | None = None) -> dict:
+    """Rows drawn with replacement, one anchor each — {tokens [B, T], lengths [B], anchors [B]} — or, with
+    `anchors_per_seq` A, A anchors each (anchors [B, A])."""
     k_rows, k_anchor = jax.random.split(key)
     rows = jax.random.randint(k_rows, (batch_size,), 0, tokens.shape[0])
     lengths, min_anchor = jnp.asarray(lengths)[rows], jnp.asarray(min_anchor)[rows]
-    return {"tokens": jnp.asarray(tokens)[rows], "lengths": lengths,
-            "anchors": sample_anchors(k_anchor, lengths, min_anchor)}
+    if anchors_per_seq is None:
+        anchors = sample_anchors(k_anchor, lengths, min_anchor)
+    else:
+        shape = (batch_size, anchors_per_seq)
+        anchors = sample_anchors(k_anchor, jnp.broadcast_to(lengths[:, None], shape),
+                                 jnp.broadcast_to(min_anchor[:, None], shape))
+    return {"tokens": jnp.asarray(tokens)[rows], "lengths": lengths, "anchors": anchors}
 
 
 def target_features(model: Decoder, tokens: jax.Array, hidden_layers: tuple[int, ...]):

@@ -253,15 +253,9 @@ def windows(sequences, prompt_lens, seq_len: int):
 
 def make_batch(key, tokens, lengths, min_anchor, s: FactorySettings) -> dict:
     """S rows drawn with replacement, A anchors each (uniform on [max(1, prompt length − 1), length − 2])."""
-    from train.distill import sample_anchors
+    from train.distill import make_batch as draw
 
-    k_rows, k_anchor = jax.random.split(key)
-    rows = jax.random.randint(k_rows, (s.batch_sequences,), 0, tokens.shape[0])
-    lens = jnp.asarray(lengths)[rows]
-    shape = (s.batch_sequences, s.anchors_per_seq)
-    anchors = sample_anchors(k_anchor, jnp.broadcast_to(lens[:, None], shape),
-                             jnp.broadcast_to(jnp.asarray(min_anchor)[rows][:, None], shape))
-    return {"tokens": jnp.asarray(tokens)[rows], "lengths": lens, "anchors": anchors}
+    return draw(key, tokens, lengths, min_anchor, s.batch_sequences, anchors_per_seq=s.anchors_per_seq)
 
 
 def shared_features_fn(target, layers: tuple[int, ...]):

@@ -92,7 +92,7 @@ def featurize(data_dir: str, target, layers: tuple[int, ...], *, out_root: str |
     from flax import nnx
     from tqdm.auto import tqdm
 
-    from dspark_jax.decoding import round_up
+    from dspark_jax.buckets import round_up
     from train.distill import target_features
 
     files = sorted(glob.glob(os.path.join(data_dir, RECORD_GLOB)))

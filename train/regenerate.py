@@ -30,19 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.buckets import round_up
+from dspark_jax.keys import fold
 from dspark_jax.sampling import filter_probs
 
 CANDIDATES = 64  # tokens kept by lax.top_k before top-p; the exact full sort runs only if they fall short
 PROMPT_BUCKET = 32  # prefill lengths are padded to a multiple of this
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def row_key(base: jax.Array, index: jax.Array, step: jax.Array) -> jax.Array:
-    """Typed PRNG key of prompt `index` at decode `step` (step 0 = the token after the prompt)."""
-    return jax.random.fold_in(jax.random.fold_in(base, index), step)
 
 
 def sample_top_p(logits: jax.Array, keys: jax.Array, temperature: float, top_p: float,
@@ -138,7 +131,7 @@ class SlotDecoder:
         small = model.init_cache(b, Tb)
         h, small, _ = model(tokens, small, lengths, compute_logits=False, kernels=self.s.kernels)
         logits = model.head(h[jnp.arange(b), lengths - 1])
-        keys = jax.vmap(lambda i: row_key(self.base, i, 0))(indices)
+        keys = jax.vmap(lambda i: fold(self.base, i, 0))(indices)
         first = _maybe_greedy(logits, sample_top_p(logits, keys, self.s.temperature, self.s.top_p), greedy)
         put = lambda big, new: big.at[rows, :, :Tb].set(new.astype(big.dtype), mode="drop")  # noqa: E731
         cache = cache.replace(k=tuple(map(put, cache.k, small.k)), v=tuple(map(put, cache.v, small.v)),
@@ -151,7 +144,7 @@ class SlotDecoder:
         self.traces["step"] += 1
         model = nnx.merge(self.target.graphdef, params)
         logits, cache, _ = model(anchor[:, None], cache, live.astype(jnp.int32), kernels=self.s.kernels)
-        keys = jax.vmap(lambda i, t: row_key(self.base, i, t))(indices, steps)
+        keys = jax.vmap(lambda i, t: fold(self.base, i, t))(indices, steps)
         return cache, _maybe_greedy(logits[:, 0], sample_top_p(logits[:, 0], keys, self.s.temperature, self.s.top_p),
                                     greedy)
 
@@ -159,7 +152,7 @@ class SlotDecoder:
         """Host wrapper: pads to the row and length buckets, returns (cache, first tokens as numpy [len(rows)])."""
         B = self.s.batch
         b = next(n for n in (max(1, B // 8), max(1, B // 4), max(1, B // 2), B) if n >= len(prompts))
-        Tb = _round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
+        Tb = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
         toks = np.zeros((b, Tb), np.int32)
         lens = np.ones(b, np.int32)
         slot = np.full(b, B, np.int32)  # padding rows scatter to slot B: dropped

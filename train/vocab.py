@@ -116,7 +116,7 @@ def target_mass(target, records: list[dict], batch: int = 4, progress: bool = Tr
     from flax import nnx
     from tqdm.auto import tqdm
 
-    from dspark_jax.decoding import round_up
+    from dspark_jax.buckets import round_up
     from dspark_jax.drafter_model import TargetHead
     from train.distill import target_features
 
