@@ -184,3 +184,14 @@ def chatml_word_target(tmp_path, seed: int = 0):
     tok.chat_template = "t5 t6 t2 {% for m in messages %}t3 {{ m['content'] }} t2 {% endfor %}t4 "
     target.tokenizer = tok
     return target
+
+
+def run_on_eight_devices(code: str, timeout: int = 600) -> None:
+    """Runs `code` with `python -c` on 8 simulated CPU devices (XLA's device count is fixed at import, so a
+    mesh test needs its own process); fails the test with the child's stderr when it exits non-zero."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,8 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -28,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model, target_from_hf
+from conftest import make_hf_model, run_on_eight_devices, target_from_hf
 from flax import nnx
 from test_engine import _engine
 from test_spec_decode import V_SMALL, _chi2_pvalue, _drafter
@@ -321,9 +319,7 @@ def test_engine_on_a_data_and_model_mesh_matches_single_device(runner, tmp_path)
     single = _mesh_outputs(_core(runner, "fixed:3"))
     out = tmp_path / "out.json"
     code = MESH_SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path / "m"), out=str(out))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_on_eight_devices(code, timeout=900)
     res = json.loads(out.read_text())
     assert res["outputs"] == single
     specs = res["specs"]

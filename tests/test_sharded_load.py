@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
+
+from conftest import run_on_eight_devices
 
 SCRIPT = textwrap.dedent("""
     import gc, glob, json, os, sys, tracemalloc
@@ -102,9 +102,7 @@ SCRIPT = textwrap.dedent("""
 def test_tensor_parallel_load_streams_shards(tmp_path):
     out = tmp_path / "facts.json"
     code = SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path / "m"), out=str(out))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_on_eight_devices(code, timeout=600)
     facts = json.loads(out.read_text())
     print(facts)  # pytest -s shows the measured numbers
     assert facts["engine_mesh"] == {"data": 1, "model": 8}, facts

@@ -7,11 +7,10 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
+from conftest import run_on_eight_devices
 
 SCRIPT = textwrap.dedent("""
     import sys, numpy as np, jax
@@ -39,9 +38,7 @@ SCRIPT = textwrap.dedent("""
 def test_eight_device_mesh_matches_single_device(tmp_path):
     out = tmp_path / "logits.npy"
     code = SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path / "m"), out=str(out))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_on_eight_devices(code, timeout=600)
     single, meshed = np.load(out)
     np.testing.assert_allclose(meshed, single, atol=1e-5, rtol=0)
 
@@ -108,9 +105,7 @@ def test_kernels_run_inside_shard_map_and_no_page_pool_is_gathered(tmp_path):
 
     out = tmp_path / "out.json"
     code = KERNEL_SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path / "m"), out=str(out))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_on_eight_devices(code, timeout=900)
     res = json.loads(out.read_text())
     assert res["pallas_inside_shard_map"] and all(res["pallas_inside_shard_map"]), res["pallas_inside_shard_map"]
     assert res["draft_pallas_inside_shard_map"] and all(res["draft_pallas_inside_shard_map"])

@@ -10,14 +10,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import numpy as np
 import pytest
-from conftest import make_hf_model, target_from_hf
+from conftest import make_hf_model, run_on_eight_devices, target_from_hf
 
 import dspark_jax
 from train.config import TrainConfig, load_config
@@ -262,9 +260,7 @@ def test_sharded_step_on_eight_devices_matches_one(tiny, tmp_path, kind):
     out = tmp_path / "losses.npy"
     code = MESH_SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path / "m"), data=data, out=str(out),
                               kind=kind)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_on_eight_devices(code, timeout=900)
     single, meshed = np.load(out)
     np.testing.assert_allclose(meshed, single, rtol=2e-5)
 
