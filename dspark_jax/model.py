@@ -91,17 +91,26 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLU(dim=D, ffn=cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
+    def block(self, x, rope, attend):
+        """The layer body every target forward shares (this dense cache's `__call__`, the paged pools'
+        `paged.target_forward_flat`): q, k, v from norm(x), `rope` applied to q and k, then
+        `attend(q, k, v) → (a, state)` (which writes the cache it owns and returns it as `state`), x + out(a),
+        then x + mlp(norm(x)). Returns (x, state)."""
+        q, k, v = self.attn.qkv(self.attn_norm(x))
+        a, state = attend(rope(q), rope(k), v)
+        x = x + self.attn.out(a)
+        return x + self.mlp(self.mlp_norm(x)), state
+
     def __call__(self, x, positions, inv_freq, k_buf, v_buf, mask, kernels="auto"):
         """x [B, T, D]; positions [B, T]; k_buf, v_buf [B, K, S, H]; mask [B, T, S] → (x, k_buf, v_buf)."""
-        q, k, v = self.attn.qkv(self.attn_norm(x))
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        k_buf, v_buf = write_kv(k_buf, k, positions), write_kv(v_buf, v, positions)
-        if kernels_lib.KernelConfig.parse(kernels).pallas("attention"):  # mask is implied
-            a = kernels_lib.cached_attention(q, k_buf, v_buf, positions)
-        else:
-            a = attention(q, k_buf, v_buf, mask)
-        x = x + self.attn.out(a)
-        x = x + self.mlp(self.mlp_norm(x))
+
+        def attend(q, k, v):
+            kb, vb = write_kv(k_buf, k, positions), write_kv(v_buf, v, positions)
+            if kernels_lib.KernelConfig.parse(kernels).pallas("attention"):  # mask is implied
+                return kernels_lib.cached_attention(q, kb, vb, positions), (kb, vb)
+            return attention(q, kb, vb, mask), (kb, vb)
+
+        x, (k_buf, v_buf) = self.block(x, lambda t: apply_rope(t, positions, inv_freq), attend)
         return x, k_buf, v_buf
 
 

@@ -272,8 +272,8 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
     """
     cfg = model.cfg
     page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
-    kcfg = kernels_lib.KernelConfig.parse(kernels)
-    use_kernel = kcfg.pallas("attention")
+    kernels = kernels_lib.KernelConfig.parse(kernels)
+    use_kernel = kernels.pallas("attention")
     x = model.embed_tokens(tokens[None])  # [1, T, D]
     angles = rope_angles(pos[None], rope_inv_freq(cfg.rope, cfg.head_dim), x.dtype)
     slots = hidden_slots(cfg.num_layers, tuple(hidden_layers))
@@ -281,18 +281,19 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
 
     def body(layer, carry, _):
         x, k_pool, v_pool, saved, i = carry
-        q, k, v = layer.attn.qkv(layer.attn_norm(x))
-        q, k = rotate(q, angles), rotate(k, angles)
-        # The pools ride in the carry and are written in place at layer i (the round's programs donate them).
-        k_pool, v_pool = write_pages(k_pool, k[0], page, off, i), write_pages(v_pool, v[0], page, off, i)
-        if use_kernel:
-            a = kernels_lib.ragged_attention(q[0], k_pool, v_pool, block_tables, context_lens, query_start,
-                                             max_q_len=max_q_len, use_kernel=True, layer=i, mesh=kcfg.mesh)
-        else:
-            a = batched_ragged_attention(q[0], k_pool, v_pool, block_tables, context_lens, query_start,
-                                         max_q_len=max_q_len, layer=i)
-        x = x + layer.attn.out(a[None])
-        x = x + layer.mlp(layer.mlp_norm(x))
+
+        def attend(q, k, v):
+            # The pools ride in the carry and are written in place at layer i (the round's programs donate them).
+            kp, vp = write_pages(k_pool, k[0], page, off, i), write_pages(v_pool, v[0], page, off, i)
+            if use_kernel:
+                a = kernels_lib.ragged_attention(q[0], kp, vp, block_tables, context_lens, query_start,
+                                                 max_q_len=max_q_len, use_kernel=True, layer=i, mesh=kernels.mesh)
+            else:
+                a = batched_ragged_attention(q[0], kp, vp, block_tables, context_lens, query_start,
+                                             max_q_len=max_q_len, layer=i)
+            return a[None], (kp, vp)
+
+        x, (k_pool, v_pool) = layer.block(x, lambda t: rotate(t, angles), attend)
         if hidden_layers:
             saved = saved.at[slots[i]].set(x[0], mode="drop")
         return (x, k_pool, v_pool, saved, i + 1), None
