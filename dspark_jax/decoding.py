@@ -23,7 +23,7 @@ from dspark_jax.buckets import pick, round_up
 from dspark_jax.kernels import KernelConfig
 from dspark_jax.keys import VERIFY, fold_rows, row_key_data
 from dspark_jax.policy import Policy
-from dspark_jax.runner import ModelRunner
+from dspark_jax.runner import ModelRunner, RunnerConfig, StepKind
 from dspark_jax.sampling import all_greedy, check_params, filter_probs, sample
 from dspark_jax.target import dtype_name, resolve_dtype
 from dspark_jax.verification import acceptance_counts
@@ -138,8 +138,8 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     # One round can run past a row's stop before the host sees it: room for two rounds beyond max_new_tokens.
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * (L + 1) + 1
     max_pages = _pow2_at_least(-(-longest // PAGE_SIZE))
-    runner = ModelRunner(target, drafter, max_batch=B, num_pages=B * max_pages, page_size=PAGE_SIZE,
-                         max_pages=max_pages, kernels=kernels, kv_dtype=kv_dtype)
+    runner = ModelRunner(target, drafter, RunnerConfig(max_batch=B, num_pages=B * max_pages, page_size=PAGE_SIZE,
+                                                       max_pages=max_pages, kernels=kernels, kv_dtype=kv_dtype))
     tables = np.arange(B * max_pages, dtype=np.int32).reshape(B, max_pages)
     keys = row_key_data(seed, B)
     track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
@@ -164,13 +164,14 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     batch.anchors[:], batch.block_tables[:], batch.keys[:] = anchors, tables, keys
     batch.temperature[:], batch.top_k[:], batch.top_p[:], batch.rounds[:] = temperature, top_k, top_p, 1
     dev = runner.device_batch(batch)
-    dev["active"] = jnp.asarray(~track.done)
+    dev = dev._replace(active=jnp.asarray(~track.done))
     capacity = pick(B * (policy.max_draft(L) + 1), runner.capacities)
     attempts, accepts = np.zeros(L, np.int64), np.zeros(L, np.int64)
     emitted_total = row_rounds = rounds = 0
     pending = None
     while not track.done.all():
-        out = runner.dispatch(dev, capacity=capacity, **({"policy": policy} if L else {"lengths": np.zeros(B)}))
+        out = runner.dispatch(dev, StepKind.SPECULATE, capacity=capacity, policy=policy) if L else runner.dispatch(
+            dev, StepKind.PLAIN, capacity=capacity)
         dev = runner.advance(dev, out)
         if pending is not None:  # read the previous round while this one runs
             live = ~track.done
@@ -189,7 +190,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
                 emitted_total += int(num_emitted[live].sum())
                 row_rounds += int(live.sum())
             if track.done.any():
-                dev["active"] = dev["active"] & jnp.asarray(~track.done)
+                dev = dev._replace(active=dev.active & jnp.asarray(~track.done))
         pending = out
     t2 = time.perf_counter()
     if not L:

@@ -5,8 +5,8 @@ A request owns one key, `request_key_data(seed)` — raw threefry key data uint3
 seeds. Its round r (r = 0 is the token sampled after prefill) draws from
     fold_in(fold_in(key, r), salt),   salt 0 = drafting, salt 1 = verification / target sampling,
 so a request's tokens depend only on its own seed and round, never on which other requests share its batch.
-`generate` gives batch row b the key of fold_in(key(seed), b); training-data regeneration gives prompt i at
-decode step t the key fold_in(fold_in(key(seed), i), t). Every fold of a key in the project goes through
+`generate` gives batch row b the request key fold_in(key(seed), b), and training-data regeneration gives
+prompt i the request key fold_in(key(seed), i) (`key_data_of`). Every fold of a key in the project goes through
 `fold` / `fold_rows` here.
 """
 
@@ -32,8 +32,17 @@ def request_key_data(seed: int) -> np.ndarray:
 
 def row_key_data(seed: int, rows: int) -> np.ndarray:
     """uint32 [rows, 2]: `generate`'s row b gets fold_in(key(seed), b)."""
+    return key_data_of(seed, np.arange(rows))
+
+
+def key_data_of(seed: int, indices) -> np.ndarray:
+    """uint32 [n, 2]: the request key fold_in(key(seed), i) of each index i (≥ 0, < 2^32) of `indices` [n]:
+    `generate`'s row i, training-data regeneration's prompt i."""
+    indices = np.asarray(indices, np.int64)
+    if indices.size and not (0 <= indices.min() and indices.max() < 2**32):
+        raise ValueError("request indices must lie in [0, 2^32)")
     base = jax.random.wrap_key_data(jnp.asarray(request_key_data(seed)))
-    keys = jax.vmap(lambda b: jax.random.fold_in(base, b))(jnp.arange(rows))
+    keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(indices.astype(np.uint32)))
     return np.asarray(jax.random.key_data(keys))
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import functools
 from typing import NamedTuple
 
@@ -75,6 +76,14 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 PROGRAMS = ("jit(prefill_program)", "jit(draft_program)", "jit(verify_program)", "jit(advance)")
 NUM_TOP_LOGPROBS = 20  # top alternatives computed when any request of a pass asks for logprobs
 PROFILE_BLOCKS = 2  # profiling: interleaved rounds of chained steps per shape, the fastest counts (`_profile_shapes`)
+
+
+class StepKind(enum.Enum):
+    """What a round runs: the three kinds of step a scheduler can ask for (`ModelRunner.dispatch`)."""
+
+    PLAIN = "plain"  # no draft pass: every row verifies its anchor alone (a target-only step)
+    PROBE = "probe"  # a draft pass for fresh confidences that verifies no draft token (dspark)
+    SPECULATE = "speculate"  # a draft pass, then verification of the draft tokens the plan admits
 
 
 @dataclasses.dataclass
@@ -123,14 +132,30 @@ class Pass(NamedTuple):
     packed: jax.Array | None = None  # int32 [Bb, L+4]: the first four, packed for one read-back (`_packed`)
 
 
+class DeviceBatch(NamedTuple):
+    """A round's batch on device, rows of a batch bucket Bb (`ModelRunner.device_batch` uploads a StepBatch;
+    `advance` builds the next round's from this one's outputs)."""
+
+    active: jax.Array  # bool [Bb]: rows 0..R−1 run
+    lengths: jax.Array  # int32 [Bb] committed tokens n
+    anchors: jax.Array  # int32 [Bb]
+    block_tables: jax.Array  # int32 [Bb, M]
+    temperature: jax.Array  # f32 [Bb]
+    top_k: jax.Array  # int32 [Bb]
+    top_p: jax.Array  # f32 [Bb]
+    keys: jax.Array  # uint32 [Bb, 2] request key data
+    rounds: jax.Array  # int32 [Bb]
+    logprobs: jax.Array  # bool [Bb]
+
+
 @jax.jit
-def advance(dev: dict, emitted, num_accepted) -> dict:
+def advance(dev: DeviceBatch, emitted, num_accepted) -> DeviceBatch:
     """The next round's device batch from this round's outputs, without the host: each active row commits
     its anchor and accepted drafts (n → n + m + 1), the last emitted token becomes its anchor, round + 1."""
-    active, m = dev["active"], num_accepted
+    m = num_accepted
     rows = jnp.arange(m.shape[0])
-    return {**dev, "lengths": jnp.where(active, dev["lengths"] + m + 1, dev["lengths"]),
-            "anchors": jnp.where(active, emitted[rows, m], dev["anchors"]), "rounds": dev["rounds"] + 1}
+    return dev._replace(lengths=jnp.where(dev.active, dev.lengths + m + 1, dev.lengths),
+                        anchors=jnp.where(dev.active, emitted[rows, m], dev.anchors), rounds=dev.rounds + 1)
 
 
 def _first_token(logits, keys, greedy, temp, top_k, top_p):
@@ -185,8 +210,8 @@ class Static:
                                                or (self._hash == other._hash and self.value == other.value))
 
 
-def _model_key(tg, dg) -> tuple:
-    return hash(tg), hash(dg)
+def _model_key(target_graph, drafter_graph) -> tuple:
+    return hash(target_graph), hash(drafter_graph)
 
 
 def _pool_key(kv: PagedKV, tables) -> tuple[int, int]:
@@ -195,57 +220,85 @@ def _pool_key(kv: PagedKV, tables) -> tuple[int, int]:
 
 
 # ---- programs ---------------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("tg", "dg", "hidden_layers", "kernels"), donate_argnames=("tkv", "dkv"))
-def prefill_program(tparams, dparams, tkv, dkv, tokens, start, n_real, table_row, key, temp, top_k, top_p,
-                    want_logprobs, next_tokens, want_prompt_logprobs, *, tg, dg, hidden_layers, kernels):
-    """One chunk of one request's prompt at positions start..start+C−1 (C = the chunk bucket, n_real real):
-    target K/V and the drafter's context written to its pages; returns the token sampled after the chunk's
-    last real position (round 0 of the request's key), its logprobs, and the prompt logprobs: row j scores
-    `next_tokens[j]` [C] (the prompt token at position start+j+1) under the target's logits at row j — the LM
-    head over every row of the chunk, computed only when `want_prompt_logprobs` (zeros otherwise)."""
-    TRACES[_model_key(tg, dg), _pool_key(tkv, table_row), "prefill", tokens.shape[0]] += 1
-    target = nnx.merge(tg.value, tparams)
+class PrefillChunk(NamedTuple):
+    """A prefill pass on device: the prompt chunks of b requests packed back to back into C flat rows (padding
+    at the tail), request r's chunk at positions starts[r]..starts[r]+counts[r]−1 (b, C: buckets)."""
+
+    tokens: jax.Array  # int32 [C]
+    next_tokens: jax.Array  # int32 [C]: row t's prompt-logprob target (the prompt token after it)
+    starts: jax.Array  # int32 [b]
+    counts: jax.Array  # int32 [b] real tokens per request (0: a padding request)
+    block_tables: jax.Array  # int32 [b, M]
+    keys: jax.Array  # uint32 [b, 2] request key data (dspark_jax/keys.py)
+    temperature: jax.Array  # f32 [b]
+    top_k: jax.Array  # int32 [b]
+    top_p: jax.Array  # f32 [b]
+    want_logprobs: jax.Array  # bool []: logprobs of the sampled tokens
+    want_prompt_logprobs: jax.Array  # bool []: the LM head over every row, scoring `next_tokens`
+
+
+@functools.partial(jax.jit, static_argnames=("target_graph", "drafter_graph", "max_q_len", "hidden_layers", "kernels"),
+                   donate_argnames=("target_kv", "drafter_kv"))
+def prefill_program(target_params, drafter_params, target_kv, drafter_kv, chunk: PrefillChunk, *, target_graph,
+                    drafter_graph, max_q_len, hidden_layers, kernels):
+    """One prefill pass: b requests' prompt chunks (≤ `max_q_len` tokens each) packed into C flat rows; the
+    target's K/V and the drafter's context written to their pages. Returns (pools, the token sampled after each
+    chunk's last real position [b] (round 0 of each request's key), its logprobs [b], prompt logprobs [C]: row t
+    scores `next_tokens[t]` under the target's logits at row t, computed only when asked (zeros otherwise)).
+    The serving engine prefills one request per pass (b = 1, a chunk bucket of rows); data generation
+    (train/regenerate.py) packs many short prompts into one pass."""
+    tokens, b = chunk.tokens, chunk.starts.shape[0]
+    TRACES[_model_key(target_graph, drafter_graph), _pool_key(target_kv, chunk.block_tables), "prefill",
+           tokens.shape[0], b, max_q_len] += 1
+    target = nnx.merge(target_graph.value, target_params)
     C = tokens.shape[0]
-    pos = start + jnp.arange(C, dtype=jnp.int32)
-    valid = jnp.arange(C) < n_real
-    slot = jnp.zeros((C,), jnp.int32)
-    qs = jnp.stack([jnp.int32(0), n_real]).astype(jnp.int32)
-    h, tkv, feats = target_forward_flat(target, tkv, tokens, slot, pos, valid, table_row, (start + n_real)[None],
-                                        qs, max_q_len=C, hidden_layers=hidden_layers, kernels=kernels)
-    if dg is not None:
-        dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, table_row,
-                                 tokens=tokens, first=jnp.arange(C) == 0, embed=tparams["embed"][...])
-    logits = target.head(h[jnp.maximum(n_real - 1, 0)])[None]  # [1, V]
-    keys = round_keys(key[None], jnp.zeros((1,), jnp.int32), VERIFY)
-    tok = sample(keys, filter_probs(logits, temp[None], top_k[None], top_p[None]), temp <= 0.0)
-    lp = _logprob_outputs(logits, tok, want_logprobs)
-    prompt_lp = _logprobs_if(want_prompt_logprobs, lambda: target.head(h), next_tokens, logits.shape[-1])
-    return tkv, dkv, tok[0], jax.tree.map(lambda x: x[0], lp), prompt_lp
+    query_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunk.counts).astype(jnp.int32)])
+    t = jnp.arange(C, dtype=jnp.int32)
+    slot = jnp.clip(jnp.searchsorted(query_start[1:], t, side="right"), 0, b - 1).astype(jnp.int32)
+    j = t - query_start[slot]
+    valid = t < query_start[-1]
+    pos = chunk.starts[slot] + j
+    h, target_kv, feats = target_forward_flat(target, target_kv, tokens, slot, pos, valid, chunk.block_tables,
+                                              chunk.starts + chunk.counts, query_start, max_q_len=max_q_len,
+                                              hidden_layers=hidden_layers, kernels=kernels)
+    if drafter_graph is not None:
+        drafter_kv = drafter_write_flat(nnx.merge(drafter_graph.value, drafter_params), drafter_kv, feats, slot, pos,
+                                        valid, chunk.block_tables, tokens=tokens, first=j == 0,
+                                        embed=target_params["embed"][...])
+    logits = target.head(h[jnp.clip(query_start[1:] - 1, 0, C - 1)])  # [b, V]: after each chunk's last token
+    keys = round_keys(chunk.keys, jnp.zeros((b,), jnp.int32), VERIFY)
+    temperature = jnp.where(chunk.counts > 0, chunk.temperature, 0.0)
+    tok = sample(keys, filter_probs(logits, temperature, chunk.top_k, chunk.top_p), all_greedy(temperature))
+    lp = _logprob_outputs(logits, tok, chunk.want_logprobs)
+    prompt_lp = _logprobs_if(chunk.want_prompt_logprobs, lambda: target.head(h), chunk.next_tokens, logits.shape[-1])
+    return target_kv, drafter_kv, tok, lp, prompt_lp
 
 
-@functools.partial(jax.jit, static_argnames=("dg", "tied", "kernels"))
-def draft_program(tparams, dparams, dhead, dkv, block_tables, lengths, anchors, keys, rounds, temp, top_k, top_p, *,
-                  dg, tied, kernels):
+@functools.partial(jax.jit, static_argnames=("drafter_graph", "tied", "kernels"))
+def draft_program(target_params, drafter_params, draft_head, drafter_kv, block_tables, lengths, anchors, keys, rounds,
+                  temp, top_k, top_p, *, drafter_graph, tied, kernels):
     """Every row of the batch bucket drafts a block from its paged context → (draft [Bb, L], q [Bb, L, Vd],
     confidence [Bb, L]): q over the drafter's vocabulary (Vd = V unless it is reduced), widened to V only where
-    sampled verification reads it. Padding rows have no context and are ignored downstream. `dhead`: the
+    sampled verification reads it. Padding rows have no context and are ignored downstream. `draft_head`: the
     reduced draft vocabulary's head columns [D, Vd] (ModelRunner gathers them once), or None."""
-    TRACES[(None, hash(dg)), _pool_key(dkv, block_tables), "draft", anchors.shape[0]] += 1
-    model = nnx.merge(dg.value, dparams)
-    head = TargetHead.from_params(tparams, tied, draft_lm_head=dhead)
+    TRACES[(None, hash(drafter_graph)), _pool_key(drafter_kv, block_tables), "draft", anchors.shape[0]] += 1
+    model = nnx.merge(drafter_graph.value, drafter_params)
+    head = TargetHead.from_params(target_params, tied, draft_lm_head=draft_head)
     keys = round_keys(keys, rounds, DRAFT)
     if model.cfg.kind == "eagle3":  # L autoregressive steps over its paged context, from f_{n−1} in the pool
-        step, extra = eagle_step_paged(model, head, dkv, block_tables, lengths)
-        feature = last_context_entry(dkv, block_tables, lengths)
+        step, extra = eagle_step_paged(model, head, drafter_kv, block_tables, lengths)
+        feature = last_context_entry(drafter_kv, block_tables, lengths)
         return draft_eagle(model, head, step, anchors, feature, extra, keys, temp, top_k, top_p, full_vocab_q=False)
-    h = drafter_block_hidden_paged(model, head, dkv, block_tables, lengths, anchors)
+    h = drafter_block_hidden_paged(model, head, drafter_kv, block_tables, lengths, anchors)
     return draft_from_hidden(model, head, h, anchors, keys, temp, top_k, top_p, kernels, full_vocab_q=False)
 
 
-@functools.partial(jax.jit, static_argnames=("tg", "dg", "capacity", "mode", "block_size", "hidden_layers",
-                                             "kernels", "policy"), donate_argnames=("tkv", "dkv"))
-def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or_k, *, tg, dg, capacity, mode,
-                   block_size, hidden_layers, kernels, policy=None):
+@functools.partial(jax.jit, static_argnames=("target_graph", "drafter_graph", "capacity", "mode", "block_size",
+                                             "hidden_layers", "kernels", "policy"),
+                   donate_argnames=("target_kv", "drafter_kv"))
+def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: DeviceBatch, draft, q, conf,
+                   lengths_or_k, *, target_graph, drafter_graph, capacity, mode, block_size, hidden_layers, kernels,
+                   policy=None):
     """Schedule (mode "lengths": ℓ given; "topk": top-K fill of the current survival; "policy": `policy`'s
     ℓ from the current confidences, on device; "plain": ℓ = 0, a plain step), one flat target pass over the
     capacity bucket, lossless verification, commit of the drafter context. The capacity must hold every active
@@ -253,12 +306,12 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
     what a target-only step does plus the drafter's context write, and samples its token as `verify` does at
     ℓ = 0 (the same key, the same draw).
 
-    Returns (tkv, dkv, emitted [Bb, L+1], num_emitted [Bb], num_accepted [Bb], lengths [Bb], logprobs,
+    Returns (target_kv, drafter_kv, emitted [Bb, L+1], num_emitted [Bb], num_accepted [Bb], lengths [Bb], logprobs,
     the four before it packed for the host, `_packed`)."""
     L = block_size
-    active, n, anchors, tables = batch["active"], batch["lengths"], batch["anchors"], batch["block_tables"]
+    active, n, anchors, tables = batch.active, batch.lengths, batch.anchors, batch.block_tables
     Bb = active.shape[0]
-    TRACES[_model_key(tg, dg), _pool_key(tkv, tables), "verify", Bb, capacity,
+    TRACES[_model_key(target_graph, drafter_graph), _pool_key(target_kv, tables), "verify", Bb, capacity,
            mode if policy is None else str(policy)] += 1
     if mode == "topk":
         lengths = topk_fill(survival(conf), lengths_or_k, active)
@@ -277,38 +330,40 @@ def verify_program(tparams, dparams, tkv, dkv, batch, draft, q, conf, lengths_or
     block = jnp.concatenate([anchors[:, None], draft], 1) if L else anchors[:, None]  # [Bb, L+1]
     tokens = jnp.where(valid, block[slot, jnp.clip(j, 0, L)], 0)
     pos = n[slot] + j
-    target = nnx.merge(tg.value, tparams)
-    h, tkv, feats = target_forward_flat(target, tkv, tokens, slot, pos, valid, tables, n + q_len, query_start,
-                                        max_q_len=1 if mode == "plain" else L + 1, hidden_layers=hidden_layers,
+    target = nnx.merge(target_graph.value, target_params)
+    h, target_kv, feats = target_forward_flat(target, target_kv, tokens, slot, pos, valid, tables, n + q_len,
+                                              query_start, max_q_len=1 if mode == "plain" else L + 1,
+                                              hidden_layers=hidden_layers,
                                         kernels=kernels)
     # The LM head on the bucket's rows only (∝ capacity), then each request's L+1 rows gathered from them.
     flat_logits = target.head(h)  # [capacity, V]
     rows = jnp.clip(query_start[:-1, None] + jnp.arange(L + 1), 0, capacity - 1)  # [Bb, L+1]
-    temp, tk, tp = batch["temperature"], batch["top_k"], batch["top_p"]
+    temp, top_k, top_p = batch.temperature, batch.top_k, batch.top_p
     greedy = all_greedy(jnp.where(active, temp, 0.0))
-    verify_keys = round_keys(batch["keys"], batch["rounds"], VERIFY)
+    verify_keys = round_keys(batch.keys, batch.rounds, VERIFY)
     first = flat_logits[rows[:, 0]]  # [Bb, V]: each request's row after its anchor
     if L == 0:  # target only: sample the token after each anchor
-        tok = _first_token(first, verify_keys, greedy, temp, tk, tp)
+        tok = _first_token(first, verify_keys, greedy, temp, top_k, top_p)
         emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
-        lp = _logprob_outputs(first[:, None], emitted, jnp.any(batch["logprobs"] & active))
-        return tkv, dkv, emitted, zeros + 1, zeros, lengths, lp, _packed(emitted, zeros + 1, zeros, lengths)
+        lp = _logprob_outputs(first[:, None], emitted, jnp.any(batch.logprobs & active))
+        packed = _packed(emitted, zeros + 1, zeros, lengths)
+        return target_kv, drafter_kv, emitted, zeros + 1, zeros, lengths, lp, packed
     if mode == "plain":  # ℓ = 0 for every row: the token after each anchor, drawn as `verify` draws it at ℓ = 0
         emit_keys = jax.vmap(lambda k: jax.random.split(k)[1])(verify_keys)
-        tok = _first_token(first, emit_keys, greedy, temp, tk, tp)
+        tok = _first_token(first, emit_keys, greedy, temp, top_k, top_p)
         zeros = jnp.zeros((Bb,), jnp.int32)
         res = VerifyResult(jnp.concatenate([tok[:, None], jnp.full((Bb, L), -1, jnp.int32)], 1), zeros + 1, zeros)
     else:
         res = jax.lax.cond(
             greedy,
             lambda: greedy_verify(jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows], draft, lengths),
-            lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, tk, tp), draft,
-                           draft_vocab.to_vocab(q, nnx.merge(dg.value, dparams).cfg), lengths))
-    if dg is not None:
-        dkv = drafter_write_flat(nnx.merge(dg.value, dparams), dkv, feats, slot, pos, valid, tables,
-                                 tokens=tokens, first=j == 0, embed=tparams["embed"][...])
-    lp = _logprob_outputs(flat_logits, res.emitted_tokens, jnp.any(batch["logprobs"] & active), rows)
-    return (tkv, dkv, res.emitted_tokens, res.num_emitted, res.num_accepted, lengths, lp,
+            lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, top_k, top_p), draft,
+                           draft_vocab.to_vocab(q, nnx.merge(drafter_graph.value, drafter_params).cfg), lengths))
+    if drafter_graph is not None:
+        drafter_kv = drafter_write_flat(nnx.merge(drafter_graph.value, drafter_params), drafter_kv, feats, slot, pos,
+                                        valid, tables, tokens=tokens, first=j == 0, embed=target_params["embed"][...])
+    lp = _logprob_outputs(flat_logits, res.emitted_tokens, jnp.any(batch.logprobs & active), rows)
+    return (target_kv, drafter_kv, res.emitted_tokens, res.num_emitted, res.num_accepted, lengths, lp,
             _packed(res.emitted_tokens, res.num_emitted, res.num_accepted, lengths))
 
 
@@ -319,39 +374,68 @@ def _packed(emitted, num_emitted, num_accepted, lengths):
 
 
 # ---- host side ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunnerConfig:
+    """A ModelRunner's shapes and paths, validated once (`ModelRunner` and `create_engine` log it at start-up).
+
+    max_batch: most requests per step; batch buckets are powers of two up to it.
+    num_pages, page_size, max_pages: the paged pools (one block-table row of `max_pages` pages per request).
+    chunk_sizes: prefill chunk buckets (tokens of one request per prefill pass).
+    kernels: which path each kernel takes (`kernels.KernelConfig`, or one mode string for both).
+    kv_dtype: the page pools' dtype, "auto" (= the target's dtype), "bfloat16" or "float32". Attention reads
+        the pages up to float32 whatever it is; writes cast to it."""
+
+    max_batch: int
+    num_pages: int
+    page_size: int
+    max_pages: int
+    chunk_sizes: tuple[int, ...] = (32, 128)
+    kernels: kernels_lib.KernelConfig | str = "auto"
+    kv_dtype: str = "auto"
+
+    def __post_init__(self):
+        for name in ("max_batch", "num_pages", "page_size", "max_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"RunnerConfig.{name} must be an integer >= 1, got {value!r}")
+        chunks = tuple(sorted(int(c) for c in self.chunk_sizes))
+        if not chunks or chunks[0] < 1:
+            raise ValueError(f"RunnerConfig.chunk_sizes must be positive, got {self.chunk_sizes!r}")
+        object.__setattr__(self, "chunk_sizes", chunks)
+        object.__setattr__(self, "kernels", kernels_lib.KernelConfig.parse(self.kernels))
+        if self.kv_dtype != "auto":
+            resolve_dtype(self.kv_dtype, auto="float32")  # raises on an unknown dtype
+
+
 class ModelRunner:
     """Page pools, parameters and the compiled programs for one (target, drafter) pair.
 
     Args:
         target, drafter: loaded models (drafter None: target only).
-        max_batch: most requests per step; batch buckets are powers of two up to it.
-        num_pages, page_size, max_pages: the paged pools (one block table row of `max_pages` per request).
-        chunk_sizes: prefill chunk buckets.
-        kernels: "auto" | "pallas" | "reference" (dspark_jax/kernels.py).
+        config: a `RunnerConfig`, or its fields as keywords.
         mesh: optional device mesh; parameters are sharded by dspark_jax/sharding.py's rules.
-        kv_dtype: the page pools' dtype, "auto" (= the target's dtype), "bfloat16" or "float32". Attention
-            reads the pages up to float32 whatever it is; writes cast to it.
     """
 
-    def __init__(self, target, drafter, *, max_batch: int, num_pages: int, page_size: int, max_pages: int,
-                 chunk_sizes: tuple[int, ...] = (32, 128), kernels: str = "auto", mesh=None,
-                 kv_dtype: str = "auto"):
-        kcfg = kernels_lib.KernelConfig.parse(kernels)
-        if kcfg.pallas("attention") and jax.default_backend() == "gpu" and page_size % 16:
+    def __init__(self, target, drafter, config: RunnerConfig | None = None, *, mesh=None, **fields):
+        if (config is None) == (not fields):
+            raise TypeError("ModelRunner takes a RunnerConfig or its fields as keywords, not both")
+        self.config = config = RunnerConfig(**fields) if config is None else config
+        kernels, page_size, num_pages = config.kernels, config.page_size, config.num_pages
+        if kernels.pallas("attention") and jax.default_backend() == "gpu" and page_size % 16:
             raise ValueError(f"page_size={page_size}: the GPU attention kernel reads pages in blocks of 16 "
                              "positions; use a multiple of 16 (or --kernels reference)")
         compute = dtype_name(target.dtype)
-        self.kv_dtype = resolve_dtype(kv_dtype, auto=compute)
-        if kcfg.pallas("attention") and self.kv_dtype != compute:
+        self.kv_dtype = resolve_dtype(config.kv_dtype, auto=compute)
+        if kernels.pallas("attention") and self.kv_dtype != compute:
             raise ValueError(f"kv_dtype={self.kv_dtype} under a {compute} target: the Pallas attention kernel "
                              f"reads pages in the queries' dtype; use kv_dtype {compute} (or auto), or "
                              "--kernels reference")
         self.target, self.drafter = target, drafter
-        self.B, self.page_size, self.max_pages = max_batch, page_size, max_pages
-        self.chunk_sizes, self.kernels = tuple(sorted(chunk_sizes)), kernels
+        self.B, self.page_size, self.max_pages = config.max_batch, page_size, config.max_pages
+        self.chunk_sizes, self.kernels = config.chunk_sizes, kernels
         self.L = drafter.config.block_size if drafter is not None else 0
-        self.batch_buckets = pow2_buckets(max_batch)
-        self.capacities = capacity_buckets(max_batch, self.L)
+        self.batch_buckets = pow2_buckets(self.B)
+        self.capacities = capacity_buckets(self.B, self.L)
         from dspark_jax.sharding import paged_sharding
 
         # Every host value a program takes is placed (committed) here, as device outputs fed back are: jit
@@ -361,49 +445,51 @@ class ModelRunner:
         self._placement = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
                            else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         self._mesh = mesh
-        tc = target.config
-        self.tkv = PagedKV.init(num_layers=tc.num_layers, num_pages=num_pages, num_kv_heads=tc.num_kv_heads,
-                                page_size=page_size, head_dim=tc.head_dim, dtype=DTYPES[self.kv_dtype],
-                                sharding=paged_sharding(mesh, tc.num_kv_heads) if mesh is not None else self._placement)
-        self.dkv = None
+
+        def pool(model_config, **extra) -> PagedKV:
+            heads = model_config.num_kv_heads
+            return PagedKV.init(num_layers=model_config.num_layers, num_pages=num_pages, num_kv_heads=heads,
+                                page_size=page_size, head_dim=model_config.head_dim, dtype=DTYPES[self.kv_dtype],
+                                sharding=paged_sharding(mesh, heads) if mesh is not None else self._placement,
+                                **extra)
+
+        self.target_kv = pool(target.config)
+        self.drafter_kv = None
         # On XLA:CPU the target's dense weights output-major (Target.serving_split), unless sharded.
-        tgraph, self.tparams = target.serving_split(None if mesh is None else False)
-        self.dparams = drafter.params if drafter is not None else None
+        target_graph, self.target_params = target.serving_split(None if mesh is None else False)
+        self.drafter_params = drafter.params if drafter is not None else None
         if drafter is not None:
-            dc = drafter.config
-            self.dkv = PagedKV.init(num_layers=dc.num_layers, num_pages=num_pages, num_kv_heads=dc.num_kv_heads,
-                                    page_size=page_size, head_dim=dc.head_dim, dtype=DTYPES[self.kv_dtype],
-                                    sharding=paged_sharding(mesh, dc.num_kv_heads) if mesh is not None
-                                    else self._placement,
-                                    feature_dim=dc.hidden_size if dc.anchor_feature or dc.kind == "eagle3" else 0,
-                                    feature_sharding=self._placement)  # replicated: one small pool
+            dcfg = drafter.config
+            self.drafter_kv = pool(dcfg, feature_dim=dcfg.hidden_size if dcfg.anchor_feature or dcfg.kind == "eagle3"
+                                   else 0, feature_sharding=self._placement)  # replicated: one small pool
         if mesh is not None:
             from dspark_jax.sharding import shard_params
 
-            self.tparams = shard_params(self.tparams, mesh)
+            self.target_params = shard_params(self.target_params, mesh)
             if drafter is not None:
-                self.dparams = shard_params(self.dparams, mesh)
-        self.dhead = None  # a reduced draft vocabulary's head columns, gathered once here, not in every draft
+                self.drafter_params = shard_params(self.drafter_params, mesh)
+        self.draft_head = None  # a reduced draft vocabulary's head columns, gathered once here, not in every draft
         if drafter is not None and draft_vocab.is_reduced(drafter.config):
-            lm_head = TargetHead.from_params(self.tparams, target.config.tie_word_embeddings).lm_head
-            self.dhead = draft_vocab.subset_head(lm_head, drafter.config)
+            lm_head = TargetHead.from_params(self.target_params, target.config.tie_word_embeddings).lm_head
+            self.draft_head = draft_vocab.subset_head(lm_head, drafter.config)
         self._placeholders: dict = {}  # batch bucket → placeholder drafts of a plain step
         self._uploads: dict = {}  # small host arrays already on device, by value (`_put_cached`)
-        self._static = dict(tg=Static(tgraph), dg=Static(drafter.graphdef) if drafter is not None else None,
+        self._static = dict(target_graph=Static(target_graph),
+                            drafter_graph=Static(drafter.graphdef) if drafter is not None else None,
                             hidden_layers=drafter.config.target_layers if drafter is not None else (),
-                            kernels=kcfg.on(mesh))  # kernels under shard_map on a mesh
+                            kernels=kernels.on(mesh))  # kernels under shard_map on a mesh
 
     @property
     def traces(self) -> collections.Counter:
         """Python traces of this runner's programs, keyed (program, shape...): 1 each after warm-up."""
         s = self._static
-        mine = {_model_key(s["tg"], s["dg"]), (None, hash(s["dg"]))}
+        mine = {_model_key(s["target_graph"], s["drafter_graph"]), (None, hash(s["drafter_graph"]))}
         pool = (self.num_pages, self.max_pages)
         return collections.Counter({k[2:]: v for k, v in TRACES.items() if k[0] in mine and k[1] == pool})
 
     @property
     def num_pages(self) -> int:
-        return self.tkv.num_pages
+        return self.target_kv.num_pages
 
     # ---- shapes -----------------------------------------------------------------------------------------------
     def batch_bucket(self, rows: int) -> int:
@@ -422,32 +508,69 @@ class ModelRunner:
     # ---- programs ---------------------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
                 logprobs: bool = False, prompt_targets=None):
-        """Runs one chunk (≤ the largest chunk bucket) → (token sampled after it, its logprobs or None, prompt
-        logprobs or None). `prompt_targets`: the prompt tokens after the chunk's first len(prompt_targets)
-        positions (≤ the chunk's length); then the prompt logprobs are (logprob [n], top ids [n, k], top
-        logprobs [n, k]) of each under the target's distribution at the position before it."""
+        """Runs one chunk of one request (≤ the largest chunk bucket) → (token sampled after it, its logprobs or
+        None, prompt logprobs or None). `prompt_targets`: the prompt tokens after the chunk's first
+        len(prompt_targets) positions (≤ the chunk's length); then the prompt logprobs are (logprob [n], top ids
+        [n, k], top logprobs [n, k]) of each under the target's distribution at the position before it."""
         n = len(tokens)
         C = pick(n, self.chunk_sizes)
-        buf = np.zeros(C, np.int32)
-        buf[:n] = tokens
-        targets = np.zeros(C, np.int32)
         n_targets = 0 if prompt_targets is None else len(prompt_targets)
         if n_targets > n:
             raise ValueError(f"{n_targets} prompt targets for a chunk of {n} tokens")
-        if n_targets:
-            targets[:n_targets] = prompt_targets
-        s = self._static
-        args = self._put((buf, np.int32(start), np.int32(n), np.asarray(table_row, np.int32)[None],
-                          np.asarray(key, np.uint32), np.float32(temperature), np.int32(top_k), np.float32(top_p),
-                          np.bool_(logprobs), targets, np.bool_(n_targets > 0)))  # one upload for the chunk
-        self.tkv, self.dkv, tok, lp, prompt_lp = prefill_program(
-            self.tparams, self.dparams, self.tkv, self.dkv, *args, tg=s["tg"], dg=s["dg"],
-            hidden_layers=s["hidden_layers"], kernels=s["kernels"])
+        targets = np.zeros(C, np.int32)
+        targets[:n_targets] = prompt_targets if n_targets else []
+        tok, lp, prompt_lp = self._prefill_pass([tokens], [start], np.asarray(table_row, np.int32)[None], [key],
+                                                [temperature], [top_k], [top_p], rows=1, capacity=C, max_q_len=C,
+                                                logprobs=logprobs, next_tokens=targets if n_targets else None)
         if not logprobs and not n_targets:
-            return int(tok), None, None
+            return int(tok[0]), None, None
         tok, lp, prompt_lp = jax.device_get((tok, lp if logprobs else None, prompt_lp if n_targets else None))
+        lp = None if lp is None else tuple(x[0] for x in lp)
         prompt_lp = None if prompt_lp is None else tuple(x[:n_targets] for x in prompt_lp)
-        return int(tok), lp, prompt_lp
+        return int(tok[0]), lp, prompt_lp
+
+    def prefill_many(self, prompts: list[list[int]], block_tables, keys, temperature, top_k, top_p, *, rows: int,
+                     capacity: int, max_q_len: int) -> jax.Array:
+        """Prefills whole prompts of len(prompts) ≤ `rows` requests in one packed pass of `capacity` flat rows
+        (each prompt ≤ `max_q_len` tokens; rows, capacity and max_q_len are the caller's buckets) → the token
+        sampled after each prompt, int32 [rows] on device (padding rows: ignore). Per-request arrays [n]:
+        block_tables [n, M], keys [n, 2], temperature, top_k, top_p."""
+        return self._prefill_pass(prompts, [0] * len(prompts), block_tables, keys, temperature, top_k, top_p,
+                                  rows=rows, capacity=capacity, max_q_len=max_q_len)[0]
+
+    def _prefill_pass(self, chunks, starts, block_tables, keys, temperature, top_k, top_p, *, rows: int,
+                      capacity: int, max_q_len: int, logprobs: bool = False, next_tokens=None):
+        """Packs the chunks back to back into `capacity` rows, pads the requests to `rows`, uploads once and
+        runs `prefill_program` → its (tokens [rows], logprobs, prompt logprobs) device outputs."""
+        n = len(chunks)
+        counts = np.zeros(rows, np.int32)
+        counts[:n] = [len(c) for c in chunks]
+        if n > rows or counts.sum() > capacity or counts.max(initial=0) > max_q_len or (counts[:n] < 1).any():
+            raise ValueError(f"{n} chunks of {counts[:n].tolist()} tokens do not fit {rows} rows, {capacity} "
+                             f"tokens, at most {max_q_len} each (and none empty)")
+        tokens = np.zeros(capacity, np.int32)
+        tokens[: counts.sum()] = np.concatenate([np.asarray(c, np.int32) for c in chunks])
+
+        def per_request(values, dtype, fill=0):
+            out = np.full((rows,) + np.shape(values)[1:], fill, dtype)
+            out[:n] = values
+            return out
+
+        tables = np.full((rows, self.max_pages), self.num_pages, np.int32)
+        tables[:n] = block_tables
+        chunk = self._put(PrefillChunk(
+            tokens=tokens, next_tokens=np.zeros(capacity, np.int32) if next_tokens is None else next_tokens,
+            starts=per_request(starts, np.int32), counts=counts, block_tables=tables,
+            keys=per_request(np.asarray(keys, np.uint32).reshape(n, 2), np.uint32),
+            temperature=per_request(temperature, np.float32), top_k=per_request(top_k, np.int32),
+            top_p=per_request(top_p, np.float32, 1.0), want_logprobs=np.bool_(logprobs),
+            want_prompt_logprobs=np.bool_(next_tokens is not None)))  # one upload for the pass
+        s = self._static
+        self.target_kv, self.drafter_kv, tok, lp, prompt_lp = prefill_program(
+            self.target_params, self.drafter_params, self.target_kv, self.drafter_kv, chunk,
+            target_graph=s["target_graph"], drafter_graph=s["drafter_graph"], max_q_len=max_q_len,
+            hidden_layers=s["hidden_layers"], kernels=s["kernels"])
+        return tok, lp, prompt_lp
 
     def _put(self, x):
         """A host value (or pytree of them) on device, committed to the runner's one batch placement."""
@@ -464,68 +587,73 @@ class ModelRunner:
             got = self._uploads[key] = self._put(x)
         return got
 
-    def device_batch(self, b: StepBatch) -> dict:
-        """The step's arrays on device (uploaded once; `draft` and `step` share them)."""
-        return self._put({"active": np.asarray(b.active, bool), "lengths": np.asarray(b.lengths, np.int32),
-                          "anchors": np.asarray(b.anchors, np.int32),
-                          "block_tables": np.asarray(b.block_tables, np.int32),
-                          "temperature": np.asarray(b.temperature, np.float32),
-                          "top_k": np.asarray(b.top_k, np.int32), "top_p": np.asarray(b.top_p, np.float32),
-                          "keys": np.asarray(b.keys, np.uint32), "rounds": np.asarray(b.rounds, np.int32),
-                          "logprobs": np.asarray(b.logprobs, bool)})
+    def device_batch(self, b: StepBatch) -> DeviceBatch:
+        """The step's arrays on device (uploaded once; `draft` and `dispatch` share them)."""
+        return self._put(DeviceBatch(
+            active=np.asarray(b.active, bool), lengths=np.asarray(b.lengths, np.int32),
+            anchors=np.asarray(b.anchors, np.int32), block_tables=np.asarray(b.block_tables, np.int32),
+            temperature=np.asarray(b.temperature, np.float32), top_k=np.asarray(b.top_k, np.int32),
+            top_p=np.asarray(b.top_p, np.float32), keys=np.asarray(b.keys, np.uint32),
+            rounds=np.asarray(b.rounds, np.int32), logprobs=np.asarray(b.logprobs, bool)))
 
-    def draft(self, b: StepBatch, dev: dict | None = None):
+    def draft(self, b: StepBatch, dev: DeviceBatch | None = None):
         """(draft, q, confidence) device arrays for every row of the batch bucket; q is over the drafter's
         vocabulary, [Bb, L, Vd] (`draft_vocab.to_vocab` widens it to the target's)."""
         return self._draft(self.device_batch(b) if dev is None else dev)
 
-    def _draft(self, dev: dict):
+    def _draft(self, dev: DeviceBatch):
         s = self._static
-        return draft_program(self.tparams, self.dparams, self.dhead, self.dkv, dev["block_tables"], dev["lengths"],
-                             dev["anchors"], dev["keys"], dev["rounds"], dev["temperature"], dev["top_k"],
-                             dev["top_p"], dg=s["dg"], tied=self.target.config.tie_word_embeddings,
-                             kernels=s["kernels"])
+        return draft_program(self.target_params, self.drafter_params, self.draft_head, self.drafter_kv,
+                             dev.block_tables, dev.lengths, dev.anchors, dev.keys, dev.rounds, dev.temperature,
+                             dev.top_k, dev.top_p, drafter_graph=s["drafter_graph"],
+                             tied=self.target.config.tie_word_embeddings, kernels=s["kernels"])
 
-    def dispatch(self, dev: dict, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
-                 policy=None, drafts=None) -> Pass:
-        """Starts one round — draft pass (unless `drafts` are given, or "skip" for a plain step) and
-        verification pass — and returns its device outputs without waiting for them. Exactly one of
-        `lengths` (host ℓ per row), `budget` (K for the top-K fill) and `policy` (ℓ on device)."""
-        Bb = dev["active"].shape[0]
-        plain = isinstance(drafts, str) and drafts == "skip"
-        if plain:  # a plain step: no draft pass, ℓ = 0 for every row
-            drafts = self._no_drafts(Bb)  # (the drafter's context is still written for the new token)
-        # A top-K budget of 0 (the dspark scheduler's probe: a draft pass for fresh confidences, no draft token
-        # verified) runs the plain step's program too, one query per row: the same tokens and the same draw as
-        # ℓ = 0 in a verification pass, at a plain step's price plus the draft pass, where a verification pass
-        # would read L + 1 query rows per request. (Its shapes are the plain steps', compiled with `plain`.)
-        plain_pass = bool(self.L) and (plain or budget == 0)
-        if plain_pass:
-            lengths, budget, policy = np.zeros(Bb, np.int32), None, None
-        if self.drafter is not None and drafts is None:
-            drafts = self._draft(dev)
-        if drafts is None:  # target only
-            drafts = (self._put_cached(np.zeros((Bb, 0), np.int32)), self._put_cached(np.zeros((Bb, 0, 1), np.float32)),
+    def dispatch(self, dev: DeviceBatch, kind: StepKind, *, capacity: int, lengths: np.ndarray | None = None,
+                 budget: int | None = None, policy=None, drafts=None) -> Pass:
+        """Starts one round of `kind` and returns its device outputs without waiting for them.
+
+        PLAIN: no draft pass, every row verifies its anchor alone (the only kind without a drafter). PROBE: a
+        draft pass for fresh confidences, then the plain step's pass (one query per row: the same tokens and
+        the same draw as ℓ = 0 in a verification pass, at a plain step's price plus the draft pass). SPECULATE:
+        a draft pass (unless `drafts` are given) and verification of exactly one of `lengths` (host ℓ per
+        row), `budget` (K ≥ 1 for the top-K fill) and `policy` (ℓ on device). The drafter's context is written
+        for every token a pass commits, whatever its kind."""
+        Bb = dev.active.shape[0]
+        how = sum(x is not None for x in (lengths, budget, policy))
+        if kind is StepKind.SPECULATE:
+            if how != 1 or not self.L:
+                raise ValueError("a speculative step needs a drafter and exactly one of lengths, budget and policy")
+            if budget is not None and budget < 1:
+                raise ValueError(f"a speculative step's budget is >= 1 (a probe verifies none), got {budget}")
+        elif how or (kind is StepKind.PROBE and not self.L):
+            raise ValueError(f"a {kind.value} step verifies no draft token" + ("" if self.L else " (no drafter)"))
+        if not self.L:  # target only
+            drafts = (self._put_cached(np.zeros((Bb, 0), np.int32)),
+                      self._put_cached(np.zeros((Bb, 0, 1), np.float32)),
                       self._put_cached(np.zeros((Bb, 0), np.float32)))
+            mode, lengths = "lengths", np.zeros(Bb, np.int32)
+        elif kind is StepKind.PLAIN:
+            drafts, mode = self._no_drafts(Bb), "plain"
+        else:
+            drafts = self._draft(dev) if drafts is None else drafts
+            mode = ("plain" if kind is StepKind.PROBE else "topk" if budget is not None
+                    else "policy" if policy is not None else "lengths")
         draft, q, conf = drafts
-        mode = ("plain" if plain_pass else "topk" if budget is not None else "policy" if policy is not None
-                else "lengths")
-        arg = self._put_cached(np.asarray(budget if budget is not None else 0, np.int32) if lengths is None
-                               else np.asarray(lengths, np.int32))
+        arg = self._put_cached(np.asarray(budget or 0, np.int32) if lengths is None else np.asarray(lengths, np.int32))
         s = self._static
-        self.tkv, self.dkv, emitted, num_emitted, m, ls, lp, packed = verify_program(
-            self.tparams, self.dparams, self.tkv, self.dkv, dev, draft, q, conf, arg, tg=s["tg"], dg=s["dg"],
-            capacity=capacity, mode=mode, block_size=self.L, hidden_layers=s["hidden_layers"], kernels=s["kernels"],
-            policy=policy)
+        self.target_kv, self.drafter_kv, emitted, num_emitted, m, ls, lp, packed = verify_program(
+            self.target_params, self.drafter_params, self.target_kv, self.drafter_kv, dev, draft, q, conf, arg,
+            target_graph=s["target_graph"], drafter_graph=s["drafter_graph"], capacity=capacity, mode=mode,
+            block_size=self.L, hidden_layers=s["hidden_layers"], kernels=s["kernels"], policy=policy)
         return Pass(emitted, num_emitted, m, ls, conf, lp, capacity, packed)
 
-    def step(self, b: StepBatch, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
-             drafts=None, dev: dict | None = None, want_confidence: bool = False) -> StepResult:
+    def step(self, b: StepBatch, kind: StepKind, *, capacity: int, lengths: np.ndarray | None = None,
+             budget: int | None = None, drafts=None, dev: DeviceBatch | None = None,
+             want_confidence: bool = False) -> StepResult:
         """One round (`dispatch`), then `fetch` of its rows 0..R−1."""
         dev = self.device_batch(b) if dev is None else dev
-        out = self.dispatch(dev, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts)
-        plain = isinstance(drafts, str) and drafts == "skip"
-        return self.fetch(out, b.rows, want_confidence=want_confidence and not plain,
+        out = self.dispatch(dev, kind, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts)
+        return self.fetch(out, b.rows, want_confidence=want_confidence and kind is not StepKind.PLAIN,
                           want_logprobs=bool(b.logprobs[: b.rows].any()))
 
     def fetch(self, out: Pass, rows: int, *, want_confidence: bool = False, want_logprobs: bool = False) -> StepResult:
@@ -540,14 +668,14 @@ class ModelRunner:
         logprobs = tuple(x[:rows] for x in got[-1]) if want_logprobs else None
         return StepResult(emitted, num_emitted, m, ls, confidence, out.capacity, logprobs)
 
-    def advance(self, dev: dict, out: Pass, block_tables: np.ndarray | None = None) -> dict:
+    def advance(self, dev: DeviceBatch, out: Pass, block_tables: np.ndarray | None = None) -> DeviceBatch:
         """The device batch of the round after `out`, built on device (`advance`), with fresh block tables
         when pages were added; dispatching it needs no host read of `out`."""
         nxt = advance(dev, out.emitted, out.num_accepted)  # on the batch placement already (a jit output)
         if self._mesh is not None:
             nxt = self._put(nxt)  # a mesh output may come back with another, equivalent sharding: one placement
         if block_tables is not None:
-            nxt["block_tables"] = self._put_cached(np.asarray(block_tables, np.int32))
+            nxt = nxt._replace(block_tables=self._put_cached(np.asarray(block_tables, np.int32)))
         return nxt
 
     def _no_drafts(self, Bb: int):
@@ -616,11 +744,12 @@ class ModelRunner:
             b = self.empty_batch(bb)
             b.rows = 0
             if mode == "topk":  # (a budget of 0 would run the plain program: `dispatch`)
-                self.step(b, capacity=cap, budget=1)
+                self.step(b, StepKind.SPECULATE, capacity=cap, budget=1)
             elif mode == "plain":
-                self.step(b, capacity=cap, drafts="skip")
+                self.step(b, StepKind.PLAIN, capacity=cap)
             else:
-                self.step(b, capacity=cap, lengths=np.zeros(bb, np.int32))
+                kind, lengths = (StepKind.SPECULATE, np.zeros(bb, np.int32)) if self.L else (StepKind.PLAIN, None)
+                self.step(b, kind, capacity=cap, lengths=lengths)
 
     def _timed_run(self, b: StepBatch, repeats: int, **dispatch) -> float:
         """Steps/s of `repeats` steps of one shape dispatched back to back (each behind the last, as the engine
@@ -669,13 +798,19 @@ class ModelRunner:
             extra = cap - rows
             for r in range(rows):  # spread the draft tokens over the rows, at most L each
                 lens[r] = min(self.L, extra // rows + (1 if r < extra % rows else 0))
-            how = {"budget": int(lens.sum())} if mode == "topk" else {"lengths": lens}
+            if not self.L:
+                how = {"kind": StepKind.PLAIN}
+            elif mode == "topk":  # (no draft token to verify: the probe's pass)
+                how = ({"kind": StepKind.SPECULATE, "budget": int(lens.sum())} if lens.sum()
+                       else {"kind": StepKind.PROBE})
+            else:
+                how = {"kind": StepKind.SPECULATE, "lengths": lens}
             by_bucket.setdefault(bb, {})[bb, cap] = (b, dict(capacity=cap, **how))
         if plain and self.L:
             for bb, cap in self.plain_shapes():
                 b = self.empty_batch(bb)
                 b.lengths[:bb] = context
-                by_bucket.setdefault(bb, {})["plain", bb] = (b, dict(capacity=cap, drafts="skip"))
+                by_bucket.setdefault(bb, {})["plain", bb] = (b, dict(kind=StepKind.PLAIN, capacity=cap))
         done, total = 0, sum(len(v) for v in by_bucket.values())
         for bb in sorted(by_bucket):
             table, plain_table = {}, {}

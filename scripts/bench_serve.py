@@ -132,6 +132,7 @@ def phase_times(engine, prompts, rows: int, repeats: int = 5) -> dict:
     """Median ms of one step's phases for `rows` running requests: draft (device, synced), schedule (the
     host's capacity search), verify (device pass given the drafts), host (everything else of an engine step:
     building arrays, bookkeeping)."""
+    from dspark_jax.runner import StepKind
     from serve.scheduler import dspark_capacity
 
     core = engine.core
@@ -150,8 +151,9 @@ def phase_times(engine, prompts, rows: int, repeats: int = 5) -> dict:
         K = dspark_capacity(conf, b.active, runner.L, sps) if runner.L else 0
         t2 = time.perf_counter()
         cap = min(c for c in runner.capacities if c >= rows + min(K, rows * runner.L))
-        runner.step(b, capacity=cap, budget=min(K, cap - rows) if runner.L else None,
-                    lengths=None if runner.L else np.zeros(b.lengths.shape[0], np.int32), drafts=drafts, dev=dev)
+        budget = min(K, cap - rows) if runner.L else 0
+        kind = StepKind.SPECULATE if budget else StepKind.PROBE if runner.L else StepKind.PLAIN
+        runner.step(b, kind, capacity=cap, budget=budget or None, drafts=drafts, dev=dev)
         t3 = time.perf_counter()
         times["draft"].append(t1 - t0)
         times["schedule"].append(t2 - t1)

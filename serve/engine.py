@@ -347,20 +347,8 @@ class EngineCore:
             tables[i, : len(pages)] = pages
         return tables
 
-    def _runner_args(self, plan: Plan, Bb: int) -> dict:
-        """A plan in the runner's keywords (dspark_jax/runner.py `dispatch` / `step`): a plain step is
-        `drafts="skip"` with a drafter (ℓ = 0 for every row, no draft pass) and ℓ = 0 without one; a probe is a
-        top-K `budget` of 0 (a draft pass, the plain step's verification)."""
-        if plan.kind is StepKind.PLAIN:
-            if self.L:
-                return dict(capacity=plan.capacity, drafts="skip")
-            return dict(capacity=plan.capacity, lengths=np.zeros(Bb, np.int32))
-        if plan.kind is StepKind.PROBE:
-            return dict(capacity=plan.capacity, budget=0)
-        return dict(capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget)
-
-    def _dispatch(self, dev: dict, plan: Plan, Bb: int):
-        return self.runner.dispatch(dev, **self._runner_args(plan, Bb))
+    def _dispatch(self, dev, plan: Plan):
+        return self.runner.dispatch(dev, plan.kind, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget)
 
     def _round_info(self, running, Bb: int, context: int, confidence=None) -> RoundInfo:
         return RoundInfo(tuple(r.rid for r in running), Bb, context, self.stats["steps_total"], confidence)
@@ -391,14 +379,13 @@ class EngineCore:
             conf = np.asarray(drafts[2])
         plan = self.scheduler.plan(self._round_info(running, Bb, int(b.lengths[:R].max()), conf))
         if not self.pipelined or syncs:
-            args = self._runner_args(plan, Bb)
-            if drafts is not None and plan.kind is not StepKind.PLAIN:
-                args["drafts"] = drafts
-            res = self.runner.step(b, dev=dev, want_confidence=plan.read_confidence, **args)
+            res = self.runner.step(b, plan.kind, capacity=plan.capacity, lengths=plan.lengths, budget=plan.budget,
+                                   drafts=None if plan.kind is StepKind.PLAIN else drafts, dev=dev,
+                                   want_confidence=plan.read_confidence)
             self._process(_Round(None, running, None, self._count_pass(plan), R, Bb, plan), res)
             return
         dev = self.runner.device_batch(b)
-        self._inflight = _Round(self._dispatch(dev, plan, Bb), running, dev, self._count_pass(plan), R, Bb, plan,
+        self._inflight = _Round(self._dispatch(dev, plan), running, dev, self._count_pass(plan), R, Bb, plan,
                                 bool(b.logprobs[:R].any()))
 
     def _count_pass(self, plan: Plan) -> int:
@@ -421,7 +408,7 @@ class EngineCore:
         dev = self.runner.advance(prev.dev, prev.out, self._block_tables(prev.running, Bb))
         context = max(r.committed for r in prev.running) + self.L + 1
         plan = self.scheduler.plan(self._round_info(prev.running, Bb, context))
-        out = self._dispatch(dev, plan, Bb)
+        out = self._dispatch(dev, plan)
         self.stats["chained_steps_total"] += 1
         return _Round(out, prev.running, dev, self._count_pass(plan), prev.R, Bb, plan, prev.want_logprobs)
 

@@ -2,7 +2,7 @@
 the engine tests' numpy mock (tests/test_engine_mock.py), so the engine has one control flow for both.
 
 A round is `device_batch` → (`draft`, when the scheduler reads the current drafts on the host) → `dispatch`
-(draft pass and verification pass, not waited for) → `fetch` (read back); `advance` builds the next round's
+(a `StepKind`: plain, probe or speculative; not waited for) → `fetch` (read back); `advance` builds the next round's
 batch on device from a dispatched one (pipelining); `step` is dispatch + fetch. Shapes: Bb rows of a batch
 bucket, R of them running; L the drafter's block (0: target only).
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 import typing
 
 import numpy as np
+
+from dspark_jax.runner import StepKind
 
 
 @typing.runtime_checkable
@@ -34,16 +36,16 @@ class Runner(typing.Protocol):
 
     def empty_batch(self, rows: int): ...
 
-    def device_batch(self, b) -> dict: ...
+    def device_batch(self, b) -> typing.Any: ...  # the runner's DeviceBatch; opaque to the engine
 
-    def draft(self, b, dev: dict | None = None) -> tuple: ...
+    def draft(self, b, dev=None) -> tuple: ...
 
-    def dispatch(self, dev: dict, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
-                 policy=None, drafts=None): ...
+    def dispatch(self, dev, kind: StepKind, *, capacity: int, lengths: np.ndarray | None = None,
+                 budget: int | None = None, policy=None, drafts=None): ...
 
     def fetch(self, out, rows: int, *, want_confidence: bool = False, want_logprobs: bool = False): ...
 
-    def advance(self, dev: dict, out, block_tables: np.ndarray | None = None) -> dict: ...
+    def advance(self, dev, out, block_tables: np.ndarray | None = None) -> typing.Any: ...
 
-    def step(self, b, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None, drafts=None,
-             dev: dict | None = None, want_confidence: bool = False): ...
+    def step(self, b, kind: StepKind, *, capacity: int, lengths: np.ndarray | None = None, budget: int | None = None,
+             drafts=None, dev=None, want_confidence: bool = False): ...

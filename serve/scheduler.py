@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import typing
 
 import jax
@@ -29,6 +28,7 @@ import numpy as np
 
 from dspark_jax.buckets import pick
 from dspark_jax.policy import Policy
+from dspark_jax.runner import StepKind
 from dspark_jax.scheduling import (
     capacity_search_host,
     prefix_schedule,
@@ -130,14 +130,6 @@ def warm_scheduler(spec: Policy, batch_buckets, block_size: int, max_tokens: int
 
 
 # ---- the schedulers --------------------------------------------------------------------------------------------
-class StepKind(enum.Enum):
-    """What a round runs: the three kinds of step a scheduler can ask for."""
-
-    PLAIN = "plain"  # no draft pass: every row verifies its anchor alone (a target-only step)
-    PROBE = "probe"  # a draft pass for fresh confidences that verifies no draft token (dspark)
-    SPECULATE = "speculate"  # a draft pass, then verification of the draft tokens the plan admits
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """A scheduler's decision for one round of R rows in a batch bucket of Bb.

@@ -147,7 +147,7 @@ def test_full_size_qwen3_8b_with_dspark_drafter_eval_shape():
     programs over paged caches (dspark_jax/runner.py), without allocating."""
     from dspark_jax.paged import PagedKV
     from dspark_jax.policy import Policy
-    from dspark_jax.runner import Static, draft_program, verify_program
+    from dspark_jax.runner import DeviceBatch, Static, draft_program, verify_program
 
     cfg = ModelConfig.from_hf(QWEN3_8B)
     tgt = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -165,18 +165,19 @@ def test_full_size_qwen3_8b_with_dspark_drafter_eval_shape():
     dkv = jax.eval_shape(lambda: PagedKV.init(num_layers=dcfg.num_layers, num_kv_heads=dcfg.num_kv_heads,
                                               head_dim=dcfg.head_dim, **pool))
     i32, f32 = (lambda *s: sds(s, jnp.int32)), (lambda *s: sds(s, jnp.float32))
-    batch = {"active": sds((B,), bool), "lengths": i32(B), "anchors": i32(B), "block_tables": i32(B, M),
-             "temperature": f32(B), "top_k": i32(B), "top_p": f32(B), "keys": sds((B, 2), jnp.uint32),
-             "rounds": i32(B), "logprobs": sds((B,), bool)}
+    batch = DeviceBatch(active=sds((B,), bool), lengths=i32(B), anchors=i32(B), block_tables=i32(B, M),
+                        temperature=f32(B), top_k=i32(B), top_p=f32(B), keys=sds((B, 2), jnp.uint32),
+                        rounds=i32(B), logprobs=sds((B,), bool))
     draft, q, conf = jax.eval_shape(
-        lambda tp_, dp_, dkv_, b: draft_program(tp_, dp_, None, dkv_, b["block_tables"], b["lengths"], b["anchors"],
-                                                b["keys"], b["rounds"], b["temperature"], b["top_k"], b["top_p"],
-                                                dg=Static(dg), tied=False, kernels="reference"),
+        lambda tp_, dp_, dkv_, b: draft_program(tp_, dp_, None, dkv_, b.block_tables, b.lengths, b.anchors,
+                                                b.keys, b.rounds, b.temperature, b.top_k, b.top_p,
+                                                drafter_graph=Static(dg), tied=False, kernels="reference"),
         tp, dp, dkv, batch)
     assert draft.shape == (B, L) and q.shape == (B, L, cfg.vocab_size) and conf.shape == (B, L)
     out = jax.eval_shape(
         lambda tp_, dp_, tkv_, dkv_, b, d, q_, c: verify_program(
-            tp_, dp_, tkv_, dkv_, b, d, q_, c, jnp.int32(0), tg=Static(tg), dg=Static(dg), capacity=B * (L + 1),
+            tp_, dp_, tkv_, dkv_, b, d, q_, c, jnp.int32(0), target_graph=Static(tg), drafter_graph=Static(dg),
+            capacity=B * (L + 1),
             mode="policy", block_size=L, hidden_layers=dcfg.target_layers, kernels="reference",
             policy=Policy(kind="dspark-sync")),
         tp, dp, tkv, dkv, batch, draft, q, conf)

@@ -24,7 +24,7 @@ from naive_drafter import NaiveDrafter, flat_params, hf_features, softmax
 from dspark_jax import draft_vocab
 from dspark_jax.drafter_model import TargetHead
 from dspark_jax.keys import row_key_data
-from dspark_jax.runner import ModelRunner
+from dspark_jax.runner import ModelRunner, StepKind
 
 
 def check_row(naive, hf, cfg, seq, tok, q, conf, atol: float, rnd: int, b: int) -> float:
@@ -74,7 +74,7 @@ def runner_rounds_against_reference(hf, target, drafter, prompts, rounds: int, a
         tok, q, conf = jax.device_get((tok, draft_vocab.to_vocab(q, drafter.config), conf))  # q over the target's V
         for b in range(B):
             max_err = max(max_err, check_row(naive, hf, cfg, seqs[b], tok[b], q[b], conf[b], atol, rnd, b))
-        res = runner.step(batch, capacity=runner.capacities[-1], lengths=np.full(B, L, np.int32))
+        res = runner.step(batch, StepKind.SPECULATE, capacity=runner.capacities[-1], lengths=np.full(B, L, np.int32))
         for b in range(B):
             seqs[b] += [int(t) for t in res.emitted[b, : res.num_emitted[b]]]
         accepted += int(res.num_accepted.sum())

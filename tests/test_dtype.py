@@ -111,12 +111,12 @@ def test_bf16_runner_holds_bf16_weights_and_pools_and_kv_dtype_overrides_the_poo
     assert _float_dtypes(target.params) == {BF16} and _float_dtypes(drafter.params) == {BF16}
     kw = dict(max_batch=2, num_pages=8, page_size=8, max_pages=4)
     r = ModelRunner(target, drafter, **kw)  # builds pools and placements; compiles nothing
-    assert _float_dtypes(r.tparams) == {BF16} and _float_dtypes(r.dparams) == {BF16}
-    assert r.kv_dtype == "bfloat16" and _pool_dtypes(r.tkv) == {BF16} and _pool_dtypes(r.dkv) == {BF16}
-    assert r.dkv.feat is not None  # the anchor-feature pool follows the KV dtype too
+    assert _float_dtypes(r.target_params) == {BF16} and _float_dtypes(r.drafter_params) == {BF16}
+    assert r.kv_dtype == "bfloat16" and _pool_dtypes(r.target_kv) == {BF16} and _pool_dtypes(r.drafter_kv) == {BF16}
+    assert r.drafter_kv.feat is not None  # the anchor-feature pool follows the KV dtype too
     r = ModelRunner(target, drafter, **kw, kv_dtype="float32")
-    assert _float_dtypes(r.tparams) == {BF16}  # the weights keep the compute dtype
-    assert r.kv_dtype == "float32" and _pool_dtypes(r.tkv) == {F32} and _pool_dtypes(r.dkv) == {F32}
+    assert _float_dtypes(r.target_params) == {BF16}  # the weights keep the compute dtype
+    assert r.kv_dtype == "float32" and _pool_dtypes(r.target_kv) == {F32} and _pool_dtypes(r.drafter_kv) == {F32}
     with pytest.raises(ValueError, match="kv_dtype=float32 under a bfloat16 target: the Pallas attention kernel"):
         ModelRunner(target, drafter, **kw, kv_dtype="float32", kernels="pallas")
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
@@ -134,8 +134,8 @@ def test_bf16_greedy_speculative_through_the_engine_equals_bf16_target_only(bf16
     try:
         assert "dtype: bfloat16 (weights and activations), KV cache: bfloat16" in caplog.text
         runner = engine.core.runner
-        assert _float_dtypes(runner.tparams) == {BF16} and _float_dtypes(runner.dparams) == {BF16}
-        assert _pool_dtypes(runner.tkv) == {BF16} and _pool_dtypes(runner.dkv) == {BF16}
+        assert _float_dtypes(runner.target_params) == {BF16} and _float_dtypes(runner.drafter_params) == {BF16}
+        assert _pool_dtypes(runner.target_kv) == {BF16} and _pool_dtypes(runner.drafter_kv) == {BF16}
         core = engine.core_only()
         assert _run_greedy(core, prompts) == ref
         assert core.metrics()["tokens_per_step"] > 1.2  # drafts were accepted: equality is not trivial

@@ -95,8 +95,8 @@ def test_runner_serves_the_cpu_layout_and_matches_the_einsum_layout(tiny, runner
         pytest.skip("the output-major serving layout is XLA:CPU's")
     target, _, prompts, ref = tiny
     for runner in runners.values():
-        assert runner._static["tg"].value is target.serving_split()[0]
-        served, own = runner.tparams["layers"]["mlp"]["gate"].shape, target.params["layers"]["mlp"]["gate"].shape
+        assert runner._static["target_graph"].value is target.serving_split()[0]
+        served, own = runner.target_params["layers"]["mlp"]["gate"].shape, target.params["layers"]["mlp"]["gate"].shape
         assert served == (own[0], own[2], own[1])  # [num_layers, F, D] against [num_layers, D, F]
     for prompt, want in zip(prompts[:3], ref[:3], strict=True):
         ids = list(prompt)
@@ -277,7 +277,7 @@ def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, anchor_feature):
     def recording(self, dev):
         out = draft(self, dev)
         tok, q, conf = jax.device_get(out)
-        keys, rounds, active, n = jax.device_get((dev["keys"], dev["rounds"], dev["active"], dev["lengths"]))
+        keys, rounds, active, n = jax.device_get((dev.keys, dev.rounds, dev.active, dev.lengths))
         for row in np.flatnonzero(active):
             i = owner[side[0]][tuple(int(x) for x in keys[row])]
             seen[side[0]].setdefault((i, int(rounds[row])), (int(n[row]), tok[row], conf[row], q[row]))
@@ -433,7 +433,7 @@ def test_hostile_values_fail_alone_and_pages_cannot_leak(tiny, runners):
     # Poison every page of both pools; the engine must not read any of it back.
     runner = core.runner
     nan = lambda kv: PagedKV(k=jnp.full_like(kv.k, jnp.nan), v=jnp.full_like(kv.v, jnp.nan), feat=kv.feat)  # noqa: E731
-    runner.tkv, runner.dkv = nan(runner.tkv), nan(runner.dkv)
+    runner.target_kv, runner.drafter_kv = nan(runner.target_kv), nan(runner.drafter_kv)
     assert _run_greedy(core, prompts, tag="poisoned") == ref
     assert core.pages.num_free == core.pages.num_pages
 

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.buckets import capacity_buckets, pick, pow2_buckets
-from dspark_jax.runner import StepBatch, StepResult
+from dspark_jax.runner import StepBatch, StepKind, StepResult
 from serve.engine import Engine, EngineCore
 from serve.runner_api import Runner
 from serve.scheduler import Scheduler
@@ -177,16 +177,23 @@ class MockRunner:
             conf[s] = self.conf(t, int(s), seed, rnd)
         return draft, None, conf
 
-    def step(self, b: StepBatch, *, capacity, lengths=None, budget=None, drafts=None, dev=None,
+    def step(self, b: StepBatch, kind: StepKind, *, capacity, lengths=None, budget=None, drafts=None, dev=None,
              want_confidence=False):
         if len(self.passes) == self.fail_at_pass:
             raise RuntimeError("mock device error")
-        plain = isinstance(drafts, str) and drafts == "skip"
+        plain = kind is StepKind.PLAIN
+        if kind is StepKind.SPECULATE:
+            assert self.L and (lengths is None) != (budget is None), "exactly one of lengths and budget"
+            assert budget is None or budget >= 1, f"a speculative {budget=}"
+        else:
+            assert lengths is None and budget is None, f"a {kind} step verifies no draft token"
+            assert self.L or plain, "a probe without a drafter"
         if plain:  # a plain step: no draft pass, every ℓ = 0
-            lengths, budget, want_confidence = np.zeros(b.lengths.shape[0], np.int32), None, False
+            lengths, want_confidence = np.zeros(b.lengths.shape[0], np.int32), False
             drafts = (np.zeros((b.lengths.shape[0], self.L), np.int32), None,
                       np.zeros((b.lengths.shape[0], self.L), np.float32))
-        assert (lengths is None) != (budget is None), "exactly one of lengths and budget"
+        elif kind is StepKind.PROBE:  # a draft pass, a top-K fill of no draft token
+            budget = 0
         assert capacity in self.capacities, f"{capacity=} is not a bucket"
         rec = Pass(capacity, None if budget is None else int(budget),
                    None if lengths is None else [int(x) for x in lengths], drafts is not None and not plain,
@@ -229,11 +236,11 @@ class MockRunner:
                           None if confidence is None else confidence[:R], capacity)
 
 
-    def dispatch(self, dev, *, capacity, lengths=None, budget=None, policy=None, drafts=None):
+    def dispatch(self, dev, kind: StepKind, *, capacity, lengths=None, budget=None, policy=None, drafts=None):
         assert policy is None
         b = dev["host"]
-        res = self.step(b, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts,
-                        want_confidence=not (isinstance(drafts, str) and drafts == "skip"))
+        res = self.step(b, kind, capacity=capacity, lengths=lengths, budget=budget, drafts=drafts,
+                        want_confidence=kind is not StepKind.PLAIN)
         self.events.append(("dispatch", len(self.passes) - 1))
         return len(self.passes) - 1, res
 

@@ -280,13 +280,13 @@ MESH_SCRIPT = textwrap.dedent("""
     core = _engine(target, drafter, "fixed:3", mesh_shape=(2, 4), **t.SIZES).core_only()
     runner = core.runner
     specs = {{}}
-    for side, params in (("target", runner.tparams), ("drafter", runner.dparams)):
+    for side, params in (("target", runner.target_params), ("drafter", runner.drafter_params)):
         for path, x in nnx.traversals.flatten_mapping(nnx.to_pure_dict(params)).items():
             s = x.sharding
             specs[side + "." + ".".join(map(str, path))] = [str(s.spec), dict(s.mesh.shape), len(s.device_set)]
 
     def pools(when, runner):
-        for side, kv in (("tkv", runner.tkv), ("dkv", runner.dkv)):
+        for side, kv in (("tkv", runner.target_kv), ("dkv", runner.drafter_kv)):
             for i, x in enumerate((kv.k, kv.v)):  # [num_layers, P, K, page_size, H] each
                 s = x.sharding
                 specs[f"{{when}}.{{side}}.{{i}}"] = [(list(s.spec) + [None] * 5)[:5], dict(s.mesh.shape),

@@ -66,8 +66,10 @@ KERNEL_SCRIPT = textwrap.dedent("""
         dev = r.device_batch(b)
         draft, q, conf = r.draft(b, dev)
         s = r._static
-        args = (r.tparams, r.dparams, r.tkv, r.dkv, dev, draft, q, conf, r._put(np.asarray([2, 3], np.int32)))
-        kw = dict(tg=s["tg"], dg=s["dg"], capacity=8, mode="lengths", block_size=r.L,
+        args = (r.target_params, r.drafter_params, r.target_kv, r.drafter_kv, dev, draft, q, conf,
+                r._put(np.asarray([2, 3], np.int32)))
+        kw = dict(target_graph=s["target_graph"], drafter_graph=s["drafter_graph"], capacity=8, mode="lengths",
+                  block_size=r.L,
                   hidden_layers=s["hidden_layers"], kernels=s["kernels"])
         if mesh is not None:
             def walk(jaxpr, inside, found):
@@ -82,14 +84,15 @@ KERNEL_SCRIPT = textwrap.dedent("""
                 return found
             out["pallas_inside_shard_map"] = walk(R.verify_program.trace(*args, **kw).jaxpr.jaxpr, False, [])
             out["draft_pallas_inside_shard_map"] = walk(
-                R.draft_program.trace(r.tparams, r.dparams, r.dhead, r.dkv, dev["block_tables"], dev["lengths"],
-                                      dev["anchors"], dev["keys"], dev["rounds"], dev["temperature"], dev["top_k"],
-                                      dev["top_p"], dg=s["dg"], tied=False, kernels=s["kernels"]).jaxpr.jaxpr,
+                R.draft_program.trace(r.target_params, r.drafter_params, r.draft_head, r.drafter_kv,
+                                      dev.block_tables, dev.lengths, dev.anchors, dev.keys, dev.rounds,
+                                      dev.temperature, dev.top_k, dev.top_p, drafter_graph=s["drafter_graph"],
+                                      tied=False, kernels=s["kernels"]).jaxpr.jaxpr,
                 False, [])
             hlo = R.verify_program.lower(*args, **kw).compile().as_text()
-            pool = "[" + ",".join(map(str, r.tkv.k.shape)) + "]"
+            pool = "[" + ",".join(map(str, r.target_kv.k.shape)) + "]"
             out["pool_gathers"] = [ln.strip()[:200] for ln in hlo.splitlines() if "all-gather" in ln and pool in ln]
-            out["pool_shards"] = str(r.tkv.k.sharding.spec)
+            out["pool_shards"] = str(r.target_kv.k.sharding.spec)
         res = R.verify_program(*args, **kw)
         out[name] = [np.asarray(x).tolist() for x in res[2:6]]
     json.dump(out, open({out!r}, "w"))

@@ -19,9 +19,8 @@ import pytest
 from conftest import make_hf_model, target_from_hf
 
 import dspark_jax
-from dspark_jax.sampling import filter_probs
 from train import datasets
-from train.regenerate import SlotSettings, generate_slots, nucleus_candidates, sample_top_p
+from train.regenerate import SlotSettings, generate_slots
 
 
 @pytest.fixture(scope="module")
@@ -51,32 +50,17 @@ def test_greedy_slots_equal_target_only_generate(tiny):
     assert stats["traces"]["step"] == 1  # one compiled decode step for the whole run
 
 
-def test_nucleus_candidates_equal_the_full_sort_filter():
-    logits = jax.random.normal(jax.random.key(0), (6, 500)) * jnp.array([1, 2, 4, 8, 0.5, 3.0])[:, None]
-    for top_p in (0.5, 0.9, 0.99):
-        p, ids, covered = nucleus_candidates(logits, top_p, candidates=200)
-        want = filter_probs(logits, jnp.ones(6), jnp.zeros(6, jnp.int32), jnp.full(6, top_p))
-        got = jnp.zeros_like(want).at[jnp.arange(6)[:, None], ids].set(p)
-        got = got / got.sum(-1, keepdims=True)
-        if covered:
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
-    _, _, covered = nucleus_candidates(jnp.zeros((1, 500)), 0.9, candidates=64)  # flat: 64 tokens hold 13%
-    assert not bool(covered)
-
-
-def test_sample_top_p_matches_the_filtered_distribution():
-    """Flat rows force the exact full-sort fallback; peaked rows take the candidate path. Both sample the
-    filtered distribution: empirical frequencies over many keys match it."""
-    V, n = 40, 20000
-    for scale in (0.3, 6.0):
-        logits = jax.random.normal(jax.random.key(1), (1, V)) * scale
-        keys = jax.random.split(jax.random.key(2), n)
-        toks = jax.vmap(lambda k, x=logits: sample_top_p(x, k[None], 0.7, 0.8, candidates=8)[0])(keys)
-        freq = np.bincount(np.asarray(toks), minlength=V) / n
-        want = np.asarray(filter_probs(logits, jnp.full(1, 0.7), jnp.zeros(1, jnp.int32),
-                                       jnp.full(1, 0.8)))[0]
-        assert np.all(freq[want == 0] == 0)
-        np.testing.assert_allclose(freq, want, atol=0.015)
+def test_sampled_slots_equal_generate_row_for_row(tiny):
+    """Regeneration is the serving round with the per-request key scheme: prompt i sampled in whatever slot and
+    refill equals row i of `generate` at the same seed and settings, token for token (T = 1, top-p 0.9)."""
+    prompts = _prompts(7, seed=2)
+    want = dspark_jax.generate(tiny, prompts, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=5).tokens
+    got, stats = {}, {}
+    s = SlotSettings(batch=2, capacity=64, max_new_tokens=10, temperature=1.0, top_p=0.9)
+    generate_slots(tiny, list(enumerate(prompts)), settings=s, seed=5, eos_ids=tiny.eos_token_ids,
+                   on_done=got.__setitem__, stats=stats)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert stats["prefills"] > 1 and stats["traces"]["step"] == 1
 
 
 def _fake_prompts(split, domain, n, seed=0):
