@@ -1,14 +1,17 @@
-"""The speculative round on paged caches: one owner for `generate` and the serving engine (paper Fig. 1, §5.2).
+"""The round on paged caches, the one decode loop of `generate`, the serving engine and data generation (§5.2).
 
-A round for R running requests, each with n committed tokens and an anchor (the last emitted token, not yet
+A round is one of three kinds (`StepKind`): a plain step (every request verifies its anchor alone, no draft
+pass), a probe (a draft pass for fresh confidences, nothing verified) or a speculative step. A speculative
+round for R running requests, each with n committed tokens and an anchor (the last emitted token, not yet
 in the target cache):
   1. draft     — `draft`: the drafter's block pass reads each request's injected context from its pages and
                  samples draft tokens, draft probs q and confidences c (`drafter.draft_from_hidden`); an
                  EAGLE-3 drafter runs its L autoregressive steps instead, a `lax.scan` over its paged
                  context (`drafter.draft_eagle`, `paged.eagle_step_paged`).
   2. schedule  — verification lengths ℓ from the policy (dspark_jax/policy.py): given by the host
-                 (mode "lengths") or filled on device from the current survival up to a capacity K chosen
-                 from stale confidences (mode "topk", §5.2: the host never waits for the drafts).
+                 (mode "lengths"), computed on device from the current confidences (mode "policy"), or
+                 filled on device from the current survival up to a capacity K chosen from stale
+                 confidences (mode "topk", §5.2: the host never waits for the drafts).
   3. verify    — `verify`: the requests' [anchor, draft_1..draft_ℓ] packed back to back into one flat
                  capacity bucket, one target pass over pages (projections and MLPs ∝ the bucket, attention
                  over the pages in use only), the LM head on those rows only, lossless verification.
@@ -24,8 +27,9 @@ models shares their compiled executables.
 
 No host stalls (§5.2): `dispatch` starts a round and returns its device outputs without waiting; `advance`
 builds the next round's batch from them on device, so a caller dispatches round n+1 before reading round n
-back (`fetch`). `generate` and the engine both run this way; `step` is dispatch + fetch for callers that
-need the result at once.
+back (`fetch`). `generate`, the engine and training-data generation (train/regenerate.py) all run this way;
+`step` is dispatch + fetch for callers that need the result at once. Prompts enter through `prefill_program`:
+one request's chunk (the engine's chunked prefill) or many short prompts packed into one pass (`prefill_many`).
 """
 
 from __future__ import annotations
@@ -168,8 +172,7 @@ def _first_token(logits, keys, greedy, temp, top_k, top_p):
 def _logprob_outputs(logits, tokens, want, rows=None):
     """Raw-model logprobs of `tokens` [..] under logits [.., V] and the top alternatives, only when `want`.
     With `rows` [..], logits are the pass's flat rows [T, V] and the tokens' rows are gathered inside the taken
-    branch: a gather outside it ([Bb, L+1, V], tens of MB at 16 rows) ran on every pass, asked or not, and
-    made a dspark plain step ~10% dearer than a target-only one."""
+    branch: gathered outside it, the [Bb, L+1, V] rows would be paid on every pass, asked for or not."""
     return _logprobs_if(want, lambda: logits if rows is None else logits[rows], tokens, logits.shape[-1])
 
 
@@ -194,8 +197,8 @@ def _logprobs_if(want, make_logits, tokens, vocab: int):
 
 class Static:
     """A graphdef as a jit static argument, hashed once. jit hashes its static arguments on every call to find
-    the compiled program, and an nnx GraphDef's hash walks the whole module graph: ~5 ms of Python per call for
-    the 30-layer SmolLM2 target, on every step. Equal when the graphdefs are (the same object, in practice)."""
+    the compiled program, and an nnx GraphDef's hash walks the whole module graph (milliseconds of Python per
+    call for a 30-layer target). Equal when the graphdefs are (the same object, in practice)."""
 
     __slots__ = ("value", "_hash")
 
@@ -755,8 +758,7 @@ class ModelRunner:
         """Steps/s of `repeats` steps of one shape dispatched back to back (each behind the last, as the engine
         chains its rounds), waited for once at the end. Timing each step alone would add the host's upload,
         dispatch and read-back to every step, which a pipelined engine hides behind the step in flight: a
-        constant that squeezes the ratios between shapes (a 1-token plain step priced at 0.73 of its served
-        speed, a 2-token one at 1.1, on this project's 2-core CPU) and so makes speculation look cheaper than it is."""
+        constant that squeezes the ratios between shapes and so makes speculation look cheaper than it is."""
         dev = self.device_batch(b)
         t0 = _now()
         for _ in range(repeats):
@@ -767,11 +769,10 @@ class ModelRunner:
     def _profile_shapes(self, shapes: dict, repeats: int, blocks: int = PROFILE_BLOCKS) -> dict:
         """Steps/s of several step shapes ({key: (batch, dispatch kwargs)}), measured *interleaved*: one
         untimed step of each, then `blocks` rounds in which every shape runs `repeats` chained steps in turn;
-        each shape keeps its fastest run. The machine's speed drifts by tens of percent over seconds here (a
-        shared host), and the scheduler reads ratios (a plain step against the full steps of its batch
-        bucket): measured apart, a slow spell under one side mispriced them (once, a plain step priced at
-        1.16× a 4-token full step where, interleaved, it is 1.4×, so one request speculated on drafts that do
-        not pay). The fastest run, because noise only ever slows a run."""
+        each shape keeps its fastest run. A shared host's speed drifts over seconds, and the scheduler reads
+        ratios (a plain step against the full steps of its batch bucket): measured apart, a slow spell under
+        one side misprices them, and requests speculate on drafts that do not pay. The fastest run, because
+        noise only ever slows a run."""
         for b, kw in shapes.values():
             jax.block_until_ready(self.dispatch(self.device_batch(b), **kw).emitted)
         best = dict.fromkeys(shapes, 0.0)
