@@ -1,11 +1,13 @@
 """`generate`: target-only and speculative decoding of a batch of prompts (the library entry point).
 
 `generate` runs the serving engine's round (dspark_jax/runner.py) for target-only decoding and every drafter
-kind (DSpark, DFlash, EAGLE-3). The dense `prefill` / `decode_step` here serve `propose`, the training features
-and the benchmarks. Invariant of every path: after prefill the target cache holds the prompt
-and the *anchor* (the last emitted token) is not yet in the cache; each round feeds the anchor. Row b of a
-batch has the request key fold_in(key(seed), b) and draws round r from it as dspark_jax/keys.py says, so a
-row's output does not depend on which other rows share its batch.
+kind (DSpark, DFlash, EAGLE-3): one decode loop, owned by the runner. What else stays here: `prefill`, the dense
+target forward over whole prompts (last-position logits and the chosen layers' hidden states) that `propose`,
+the drafter tests and the DeepSpec parity tests read, with `pad_prompts` shaping its input; it decodes nothing.
+Invariant of the round: after prefill the target cache holds the prompt and the *anchor* (the last emitted
+token) is not yet in the cache; each round feeds the anchor. Row b of a batch has the request key
+fold_in(key(seed), b) and draws round r from it as dspark_jax/keys.py says, so a row's output does not depend
+on which other rows share its batch.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from flax import nnx
 
 from dspark_jax.buckets import pick, round_up
 from dspark_jax.kernels import KernelConfig
-from dspark_jax.keys import VERIFY, fold_rows, row_key_data
+from dspark_jax.keys import row_key_data
 from dspark_jax.policy import Policy
 from dspark_jax.runner import ModelRunner, RunnerConfig, StepKind
-from dspark_jax.sampling import all_greedy, check_params, filter_probs, sample
+from dspark_jax.sampling import check_params
 from dspark_jax.target import dtype_name, resolve_dtype
 from dspark_jax.verification import acceptance_counts
 
@@ -63,22 +65,6 @@ def prefill(graphdef, params, tokens, cache, lengths, hidden_layers=(), kernels=
                              kernels=kernels)
     last = h[jnp.arange(tokens.shape[0]), lengths - 1]
     return model.head(last), cache, hidden
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels"), donate_argnames=("cache",))
-def decode_step(graphdef, params, cache, anchor, keys, step, temperature, top_k, top_p, kernels="auto"):
-    """One target-only step: feed the anchors [B], sample the next tokens [B]."""
-    model = nnx.merge(graphdef, params)
-    logits, cache, _ = model(anchor[:, None], cache, kernels=kernels)
-    probs = filter_probs(logits[:, 0], temperature, top_k, top_p)
-    return cache, sample(fold_rows(keys, step, VERIFY), probs, all_greedy(temperature))
-
-
-def sampling_arrays(batch: int, temperature: float, top_k: int, top_p: float):
-    """Checks sampling parameters (`sampling.check_params`) and broadcasts them to per-row arrays."""
-    temperature, top_k, top_p = check_params(temperature, top_k, top_p)
-    return (jnp.full((batch,), temperature, jnp.float32), jnp.full((batch,), top_k, jnp.int32),
-            jnp.full((batch,), top_p, jnp.float32))
 
 
 class StopTracker:
@@ -121,7 +107,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     from round r+2 on (round r+1's output for it is discarded).
     """
     B = len(prompts)
-    sampling_arrays(B, temperature, top_k, top_p)  # validation
+    check_params(temperature, top_k, top_p)  # a clear error before the runner compiles anything
     if drafter is None:
         policy, L = Policy(kind="none"), 0
     else:

@@ -48,9 +48,9 @@ def main(argv=None) -> int:
     try:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        from dspark_jax.decoding import sampling_arrays
+        from dspark_jax.sampling import check_params
 
-        sampling_arrays(1, args.temperature, args.top_k, args.top_p)  # validate before the slow model load
+        check_params(args.temperature, args.top_k, args.top_p)  # validate before the slow model load
         t0 = time.perf_counter()
         target = dspark_jax.load_target(args.target, dtype=args.dtype)
         drafter = dspark_jax.load_drafter(args.drafter, target) if args.drafter else None

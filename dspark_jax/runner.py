@@ -788,7 +788,7 @@ class ModelRunner:
         tokens; with `plain` also the plain step (no draft pass, one token per row) of every batch bucket. Each
         batch bucket's shapes, its plain step among them, are timed interleaved (`_profile_shapes`); writes go to
         dropped pages. Yields (shapes done, shapes in all, {(bucket, capacity): steps/s}, {bucket: plain
-        steps/s}) after each bucket, so a caller can interleave other work (serve/engine.py `_profile`)."""
+        steps/s}) after each bucket, so a caller can interleave other work (serve/startup.py `_profile`)."""
         context = max(0, min(context, self.max_pages * self.page_size - self.L - 2))
         by_bucket: dict[int, dict] = {}
         for bb, cap in self.verify_shapes(max_draft):

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     import jax
 
     from dspark_jax.drafter import init_drafter
-    from serve.engine import create_engine
+    from serve.startup import create_engine
 
     print(f"devices: {jax.devices()}", flush=True)
     t0 = time.perf_counter()

@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from serve.cli import chat_template_of
-    from serve.engine import create_engine
     from serve.server import ServerThread, build_app
+    from serve.startup import create_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         target_dir = make_tiny_target(os.path.join(tmp, "tiny-llama"))

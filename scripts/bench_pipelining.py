@@ -48,7 +48,7 @@ def run(core, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dspark_jax.target import load_target
-    from serve.engine import create_engine
+    from serve.startup import create_engine
 
     target = load_target(args.target)
     texts = ["What is the capital of France?", "Write a Python function that reverses a list.",

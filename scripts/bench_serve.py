@@ -203,7 +203,7 @@ def main(argv=None) -> int:
 
     from dspark_jax.drafter import load_drafter
     from dspark_jax.target import load_target
-    from serve.engine import create_engine
+    from serve.startup import create_engine
     from train.plots import plot_throughput
 
     target = load_target(args.target)

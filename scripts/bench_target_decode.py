@@ -5,20 +5,21 @@
 
 Both sides load the same GGUF file (SmolLM2-135M-Instruct, Q4_1 dequantised to f32): ours through
 `dspark_jax.load_target`, torch through transformers' own `load_gguf_checkpoint` into a `LlamaForCausalLM`.
-Both run the same loop: one prefill over B prompts of `--prompt-len` tokens (which yields the first new
-token), then `--new-tokens` decode steps of one token per row, each fed the previous argmax and synced to
-the host (as `dspark_jax.generate` does, to check EOS). Reported:
+Both decode greedily: a prefill of B prompts of `--prompt-len` tokens (which yields the first new token), then
+`--new-tokens` tokens per row, EOS ignored. Reported:
 
   tokens/s = B · new_tokens / decode_seconds     (prefill excluded, timed separately)
 
-Ours is `decoding.prefill` + `decoding.decode_step` (the jitted functions `generate` uses, greedy through
-`filter_probs`); their first calls (compilation) are timed apart and excluded. The row "ours fwd+argmax"
-runs the same jitted forward with a plain argmax instead of `filter_probs` + `sample`, to show what the
-sampler costs a greedy step. Torch is eager `model(...)` with its default `DynamicCache`, `logits_to_keep=1`
-at prefill (what `model.generate` does, minus its logits-processor bookkeeping), at each `--torch-threads`
-setting; XLA uses its default thread pool (all cores). Each measurement is repeated `--repeats` times after
-one warm-up; the table shows the fastest and the median run. Other processes on the machine make timings
-noisy: the 1-minute load average is printed before and after.
+"ours" is `dspark_jax.generate` target-only: the serving engine's round (dspark_jax/runner.py, paged KV cache,
+the sampler, the host's stop bookkeeping; round r+1 is dispatched before round r is read back), with its own
+prefill and decode timings. "ours fwd+argmax" is the bare dense forward (`decoding.prefill`, then
+`target.forward` over a dense cache) with a plain argmax, each step synced to the host: the floor the round's
+costs stand on. Compilation happens in the warm-up run and is excluded. Torch is eager `model(...)` with its
+default `DynamicCache`, `logits_to_keep=1` at prefill (what `model.generate` does, minus its logits-processor
+bookkeeping), at each `--torch-threads` setting, each step fed the previous argmax; XLA uses its default thread
+pool (all cores). Each measurement is repeated `--repeats` times after one warm-up; the table shows the
+fastest and the median run. Other processes on the machine make timings noisy: the 1-minute load average is
+printed before and after.
 """
 
 from __future__ import annotations
@@ -77,32 +78,33 @@ def make_prompts(tokenizer, batch: int, length: int) -> np.ndarray:
 # --- ours ------------------------------------------------------------------------------------------------
 
 
-def ours_run(target, prompts: np.ndarray, steps: int, sampler: bool):
-    """Prefill + `steps` decode steps; returns (prefill_s, decode_s, tokens [B, steps + 1])."""
+def ours_generate(target, prompts: np.ndarray, steps: int):
+    """`dspark_jax.generate` target-only, greedy; returns (prefill_s, decode_s, tokens [B, steps + 1])."""
+    import dspark_jax
+
+    result = dspark_jax.generate(target, prompts.tolist(), max_new_tokens=steps + 1, ignore_eos=True)
+    return result.timings["prefill_s"], result.timings["decode_s"], np.array(result.tokens, np.int32)
+
+
+def ours_forward_argmax(target, prompts: np.ndarray, steps: int):
+    """Dense prefill + `steps` forwards with argmax, synced each step; returns (prefill_s, decode_s, tokens)."""
     import jax.numpy as jnp
 
     from dspark_jax.buckets import round_up
-    from dspark_jax.decoding import decode_step, prefill, sampling_arrays
-    from dspark_jax.keys import row_keys
+    from dspark_jax.decoding import prefill
 
     B, P = prompts.shape
     cache = target.init_cache(B, round_up(P + steps + 1, 64))  # a dense cache of the prompt + new tokens
-    temp, top_k, top_p = sampling_arrays(B, 0.0, 0, 1.0)
-    keys = row_keys(0, B)
     t0 = time.perf_counter()
     logits, cache, _ = prefill(target.graphdef, target.params, jnp.asarray(prompts), cache,
                                jnp.full((B,), P, jnp.int32))  # fmt: skip
     anchor = jnp.argmax(logits, -1).astype(jnp.int32)
     out = [np.asarray(anchor)]
     t1 = time.perf_counter()
-    for step in range(1, steps + 1):
-        if sampler:
-            cache, anchor = decode_step(target.graphdef, target.params, cache, anchor, keys, step,
-                                        temp, top_k, top_p)  # fmt: skip
-        else:
-            logits, cache, _ = target.forward(anchor[:, None], cache)
-            anchor = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-        out.append(np.asarray(anchor))  # host sync per step, as generate's EOS check does
+    for _ in range(steps):
+        logits, cache, _ = target.forward(anchor[:, None], cache)
+        anchor = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+        out.append(np.asarray(anchor))  # a host sync per step
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, np.stack(out, 1)
 
@@ -131,7 +133,7 @@ def torch_gguf_model(path: str):
 
 
 def torch_run(model, prompts: np.ndarray, steps: int):
-    """Same loop as `ours_run`, eager torch with a DynamicCache; returns (prefill_s, decode_s, tokens)."""
+    """Greedy decode in eager torch with a DynamicCache; returns (prefill_s, decode_s, tokens)."""
     import torch
 
     # transformers renamed `past_key_values` to `cache` (argument and output) during 5.x; use what is there.
@@ -219,8 +221,8 @@ def main(argv=None) -> int:
     N, rows = args.new_tokens, []
     for B in args.batch:
         prompts = make_prompts(target.tokenizer, B, args.prompt_len)
-        impls = [("ours", None, functools.partial(ours_run, target, prompts, N, sampler=True)),
-                 ("ours fwd+argmax", None, functools.partial(ours_run, target, prompts, N, sampler=False))]
+        impls = [("ours", None, functools.partial(ours_generate, target, prompts, N)),
+                 ("ours fwd+argmax", None, functools.partial(ours_forward_argmax, target, prompts, N))]
         for threads in [] if model is None else args.torch_threads:
             impls.append(("torch", threads, functools.partial(torch_run, model, prompts, N)))
         print(f"  B={B}: {', '.join(name for name, _, _ in impls)} ...", file=sys.stderr)

@@ -1,6 +1,6 @@
 """`python -m dspark_jax.serve`: serve a target (with a DSpark drafter) behind an OpenAI-compatible HTTP API.
 
-Loads the engine (`serve.engine.create_engine`): it answers once the programs of one request are compiled,
+Loads the engine (`serve.startup.create_engine`): it answers once the programs of one request are compiled,
 then compiles its other capacity buckets and profiles the SPS table while idle (`--startup blocking` does all
 of it first), and serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics
 until Ctrl-C. If the engine loop dies, the process exits with status 70 (the engine's `exit_on_fatal`, and a
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     try:
         if args.compile_cache != "none":
             enable_compile_cache(args.compile_cache)
-        from serve.engine import EngineConfig, create_engine  # imported here: it pulls in JAX
+        from serve.startup import EngineConfig, create_engine  # imported here: it pulls in JAX
 
         config = EngineConfig(target=args.target, drafter=None if args.drafter == "none" else args.drafter,
                               scheduler=args.scheduler, max_batch=args.max_batch, max_model_len=args.max_model_len,

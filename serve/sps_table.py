@@ -1,7 +1,7 @@
 """The SPS table: the profiled cost model of the serving schedulers (paper §5.2).
 
 Steps per second of a full step (draft + verify) by (batch bucket, capacity bucket, context length), and of a
-plain step (no draft pass) by (batch bucket, context); profiled at start-up (serve/engine.py `_profile`), saved
+plain step (no draft pass) by (batch bucket, context); profiled at start-up (serve/startup.py `_profile`), saved
 and reloaded as JSON (`--sps-table`). The schedulers (serve/scheduler.py) read it expanded per token.
 """
 

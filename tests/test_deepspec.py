@@ -442,7 +442,7 @@ def test_serving_engine_with_a_deepspec_drafter_is_exact(ds, hf_target, target, 
     lossless: greedy outputs equal target-only decoding. DFlash: the one DeepSpec layout the engine's block pass
     handles differently (the anchor slot predicts); the dspark semantics live in the shared model code."""
     variant = "dflash"
-    from serve.engine import create_engine
+    from serve.startup import create_engine
     from serve.types import EngineRequest, SamplingParams
 
     drafter = dspark_jax.load_drafter(make_replica(ds, hf_target, str(tmp_path / "d"), variant), target)

@@ -31,7 +31,7 @@ import dspark_jax
 from dspark_jax.runner import ModelRunner
 from dspark_jax.target import DTYPE_CHOICES, load_target, resolve_dtype
 from serve import cli
-from serve.engine import create_engine
+from serve.startup import create_engine
 from serve.types import EngineRequest, SamplingParams
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -208,7 +208,7 @@ def test_serve_cli_parses_dtype_flags_and_passes_them_to_the_engine(capsys, monk
             err = capsys.readouterr().err
             assert e.value.code == 2 and err.count("\n") == 1, err
             assert err.startswith(f"error: argument {flag}: invalid choice: '{bad}'") and "bfloat16" in err, err
-    from serve.engine import EngineConfig
+    from serve.startup import EngineConfig
 
     seen = {}
 
@@ -216,7 +216,7 @@ def test_serve_cli_parses_dtype_flags_and_passes_them_to_the_engine(capsys, monk
         seen["config"] = config
         raise ValueError("stop here")
 
-    monkeypatch.setitem(sys.modules, "serve.engine", types.SimpleNamespace(create_engine=create_engine,
+    monkeypatch.setitem(sys.modules, "serve.startup", types.SimpleNamespace(create_engine=create_engine,
                                                                            EngineConfig=EngineConfig))
     assert cli.main(["--dtype", "bfloat16", "--kv-dtype", "float32", "--compile-cache", "none",
                      "--log-level", "warning"]) == 2

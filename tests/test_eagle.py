@@ -12,7 +12,8 @@ from test_spec_decode import _drafter, _exact_joint, small_vocab_target  # noqa:
 
 import dspark_jax
 from dspark_jax.runner import COMPILES, PROGRAMS, ModelRunner
-from serve.engine import EngineCore, create_engine
+from serve.engine import EngineCore
+from serve.startup import create_engine
 from serve.types import EngineRequest, SamplingParams
 
 MAX_NEW = 16

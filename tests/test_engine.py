@@ -24,7 +24,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import dspark_jax
 from dspark_jax.runner import COMPILES, PROGRAMS
-from serve.engine import EngineCore, create_engine
+from serve.engine import EngineCore
+from serve.startup import create_engine
 from serve.types import EngineRequest, SamplingParams
 
 SCHEDULERS = ["none", "fixed:1", "fixed:3", "threshold:0.3", "dspark-sync", "dspark"]

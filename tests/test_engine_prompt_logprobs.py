@@ -16,7 +16,7 @@ from test_spec_decode import _drafter
 
 import dspark_jax
 from dspark_jax.runner import COMPILES, PROGRAMS
-from serve.engine import create_engine
+from serve.startup import create_engine
 from serve.types import EngineRequest, SamplingParams
 
 LENGTHS = [1, 8, 9, 20, 33, 17, 2]  # chunks of 8: one-token prompts, exact multiples, ragged tails

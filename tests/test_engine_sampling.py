@@ -31,8 +31,8 @@ from flax import nnx
 from test_engine import _engine
 from test_spec_decode import V_SMALL, _chi2_pvalue, _drafter
 
-from serve.engine import create_engine
 from serve.scheduler import GainCalibration, SpsTable
+from serve.startup import create_engine
 from serve.types import EngineRequest, SamplingParams
 
 PROMPT = [3, 5, 2, 7, 4, 6, 1, 3, 5]  # 9 tokens: prefill in two chunks of the one chunk bucket (8)

@@ -471,7 +471,7 @@ def test_fuzz_tiny_real_engine(tmp_path):
     from conftest import make_hf_model, target_from_hf
     from test_engine import _word_tokenizer
 
-    from serve.engine import create_engine
+    from serve.startup import create_engine
 
     path = pathlib.Path(__file__).parents[1] / "scripts" / "fuzz_api.py"
     spec = importlib.util.spec_from_file_location("fuzz_api", path)

@@ -60,8 +60,8 @@ def served(tmp_path_factory):
     """(base url, served model name, tokenizer directory, the transformers model, engine) of a running server."""
     from test_spec_decode import _drafter
 
-    from serve.engine import create_engine
     from serve.server import ServerThread, build_app
+    from serve.startup import create_engine
     from serve.text import ChatFormatter
 
     hf = make_hf_model("llama", tied=True)

@@ -557,7 +557,7 @@ def test_cli_help_and_bad_flags(capsys):
 
 
 def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
-    from serve.engine import EngineConfig
+    from serve.startup import EngineConfig
 
     calls = {}
 
@@ -579,7 +579,7 @@ def test_cli_main_builds_and_serves(monkeypatch, tmp_path, capsys):
             assert r.status_code == 413
         on_ready(f"http://{host}:{port}")
 
-    monkeypatch.setitem(sys.modules, "serve.engine", types.SimpleNamespace(create_engine=create_engine,
+    monkeypatch.setitem(sys.modules, "serve.startup", types.SimpleNamespace(create_engine=create_engine,
                                                                            EngineConfig=EngineConfig))
     monkeypatch.setattr(serve.server, "serve_forever", serve_forever)
     sps = tmp_path / "sps.json"

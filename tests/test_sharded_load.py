@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent("""
                   for x, y in zip(whole, jax.tree.leaves(pure), strict=True))
     # The server's path: create_engine(mesh_shape=...) hands its mesh to load_target (stopped right there).
     import dspark_jax.target as target_module
-    from serve.engine import EngineConfig, create_engine
+    from serve.startup import EngineConfig, create_engine
     seen = {{}}
     def spy(spec, dtype, mesh=None):
         seen["mesh"] = None if mesh is None else dict(mesh.shape)

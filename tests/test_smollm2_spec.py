@@ -43,7 +43,7 @@ def test_smollm2_engine_compiles_nothing_after_warm_up(smollm2, prompts_and_refe
     compilations, not traces: a program compiled again for an argument's placement was a 7 s stall in the first
     round of every engine (one user saw ~2 tokens/s). Sizes no other test uses, so nothing is shared."""
     from dspark_jax.runner import COMPILES, PROGRAMS
-    from serve.engine import create_engine
+    from serve.startup import create_engine
     from serve.types import EngineRequest, SamplingParams
 
     prompts, ref = prompts_and_reference
