@@ -1,5 +1,6 @@
 """Tokens/s of training-data regeneration: `dspark_jax.decoding.generate` (batch by batch) against
-train/regenerate.py's slot decoder, on real chat-templated training prompts with SmolLM2's sampling.
+train/regenerate.py's slots refilled as rows finish, on real chat-templated training prompts (default: SmolLM2's
+sampling, T = 0.2 and top-p 0.9; `--temperature 1 --top-p 1` for T = 1 data).
 
     python scripts/bench_regenerate.py --batch 32 64 --max-new-tokens 64 --prompts 64
 
@@ -23,6 +24,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64, help="prompts per measurement (mixed chat/code/math)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.2)
+    p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--which", nargs="+", default=["before", "after"], choices=["before", "after"])
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
@@ -45,8 +48,8 @@ def main() -> None:
                 t0, n = time.perf_counter(), 0
                 for s in range(0, len(order), B):
                     batch = [enc[i] for i in order[s : s + B]]
-                    res = generate(target, batch, max_new_tokens=args.max_new_tokens, temperature=0.2, top_p=0.9,
-                                   seed=s)
+                    res = generate(target, batch, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_p=args.top_p, seed=s)
                     n += sum(len(r) for r in res.tokens)
                 dt = time.perf_counter() - t0
                 results.append({"impl": "decoding.generate", "batch": B, "run": rnd, "tokens": n,
@@ -54,7 +57,8 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
         if "after" in args.which:
             settings = SlotSettings(batch=B, capacity=-(-(args.max_prompt_tokens + args.max_new_tokens + 1) // 64) * 64,
-                                    max_new_tokens=args.max_new_tokens, temperature=0.2, top_p=0.9)
+                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_p=args.top_p)
             dec = SlotDecoder(target, settings, seed=0)
             for rnd in ("first", "second"):
                 got, stats = {}, {}
