@@ -15,7 +15,7 @@ layer, and on GPU/TPU the Pallas *verification* kernel, built for a few query to
 partitioned for a training mesh): the same stacked layers run under `lax.scan` with plain causal attention,
 `jax.nn.dot_product_attention` (`is_causal`, grouped K/V heads; its default implementation is XLA's dense attention
 on every backend, f32 scores [B, N, T, T] per layer, partitioned by XLA like any other op — a flash kernel, cuDNN's
-or TPU Splash, would drop that buffer and is not measured here yet). Right padding needs no mask: a causal query
+or TPU Splash, would drop that buffer; none is wired in). Right padding needs no mask: a causal query
 never reads a later (pad) position. tests/test_train_pipeline.py checks it equals the plain forward and
 that the step's jaxpr holds no `pallas_call`.
 """
