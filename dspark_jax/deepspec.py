@@ -202,11 +202,11 @@ def config_from_deepspec(d: dict, target, where: str = "config.json") -> Drafter
     if arch is None:
         raise ValueError(f"unsupported DeepSpec architecture {archs[:1]} in {where}; supported: "
                          f"{', '.join(ARCHITECTURES)} (Qwen3 targets)")
-    tc: ModelConfig = target.config
-    num_target_layers = int(d.get("num_target_layers", tc.num_layers))
+    target_config: ModelConfig = target.config
+    num_target_layers = int(d.get("num_target_layers", target_config.num_layers))
     want = {"model_type": d.get("model_type"), "vocab_size": d.get("vocab_size"),
             "hidden_size": d.get("hidden_size"), "num_layers": num_target_layers}
-    have = target_fingerprint(tc)
+    have = target_fingerprint(target_config)
     if want != have:
         diff = {k: (want[k], have[k]) for k in want if want[k] != have[k]}
         raise ValueError(f"DeepSpec checkpoint {where} was made for another target: (checkpoint, target) differ in "
@@ -249,9 +249,10 @@ def config_from_deepspec(d: dict, target, where: str = "config.json") -> Drafter
         cfg = DrafterConfig(**base)
     except ValueError as e:
         raise ValueError(f"DeepSpec config {where}: {e}") from None
-    bad = [i for i in layer_ids if i >= tc.num_layers]
+    bad = [i for i in layer_ids if i >= target_config.num_layers]
     if bad:
-        raise ValueError(f"target_layer_ids {bad} in {where} out of range for a {tc.num_layers}-layer target")
+        raise ValueError(f"target_layer_ids {bad} in {where} out of range for a "
+                         f"{target_config.num_layers}-layer target")
     return cfg
 
 
@@ -355,13 +356,13 @@ def _target_hf_config(target) -> dict:
 
 def config_to_deepspec(cfg: DrafterConfig, target, mask_token_id: int | None, dtype_name: str) -> dict:
     """Our DrafterConfig → a DeepSpec config.json dict (the target's config plus the drafter's fields)."""
-    tc: ModelConfig = target.config
+    target_config: ModelConfig = target.config
     d = _target_hf_config(target)
     d.pop("rope_scaling", None)
     rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
     if cfg.rope.rope_type != "default":
         rope.update(factor=cfg.rope.factor)
-    d.update(model_type="qwen3", num_target_layers=tc.num_layers, num_hidden_layers=cfg.num_layers,
+    d.update(model_type="qwen3", num_target_layers=target_config.num_layers, num_hidden_layers=cfg.num_layers,
              hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
              head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
              rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope.theta, rope_parameters=rope,

@@ -49,8 +49,8 @@ def head_logits(head, h: jax.Array, cfg) -> jax.Array:
 
 def subset_head(lm_head: jax.Array, cfg) -> jax.Array:
     """The target's LM head [D, V] restricted to the subset's columns → [D, Vd]. Gathered inside a program it
-    copies Vd·D values on every call (3.5 ms of a 5 ms draft pass at one request, SmolLM2 on XLA:CPU); a caller
-    that drafts repeatedly computes it once and hands it over as `TargetHead.draft_lm_head`."""
+    copies Vd·D values on every call (most of a one-request draft pass on XLA:CPU); a caller that drafts
+    repeatedly computes it once and hands it over as `TargetHead.draft_lm_head`."""
     return jnp.take(lm_head, d2t(cfg), axis=1)
 
 

@@ -60,13 +60,14 @@ def draft_block(graphdef, params, head: TargetHead, cache: DrafterCache, anchor,
     return draft_from_hidden(model, head, h, anchor, keys, temperature, top_k, top_p, kernels)
 
 
-@functools.partial(jax.jit, static_argnames=("dgraph", "tied"), donate_argnames=("dcache",))
-def drafter_prefill(dgraph, dparams, tparams, dcache: DrafterCache, feats, tokens, lengths, *, tied: bool):
+@functools.partial(jax.jit, static_argnames=("drafter_graph", "tied"), donate_argnames=("drafter_cache",))
+def drafter_prefill(drafter_graph, drafter_params, target_params, drafter_cache: DrafterCache, feats, tokens, lengths,
+                    *, tied: bool):
     """The dense context of a prompt batch (tokens [B, T], ragged `lengths` [B], target features feats
     [B, T, m·D]): the reference `draft_block` reads, for `propose` and the tests. Serving and `generate` write
     the paged context instead (dspark_jax/paged.py)."""
-    drafter: DrafterModel = nnx.merge(dgraph, dparams)
-    return drafter.write_prompt(dcache, TargetHead.from_params(tparams, tied), tokens, feats, lengths)
+    drafter: DrafterModel = nnx.merge(drafter_graph, drafter_params)
+    return drafter.write_prompt(drafter_cache, TargetHead.from_params(target_params, tied), tokens, feats, lengths)
 
 
 def draft_from_hidden(model: DrafterModel, head: TargetHead, h, anchor, keys, temperature, top_k, top_p,
@@ -137,11 +138,11 @@ def _draft_eagle(model: DrafterModel, head, cache, anchor, keys, temperature, to
     dtype = cache.k[0].dtype
 
     def step(tok, feat, k, extra):
-        ek, ev, emask = extra
-        out, h, (kk, vv) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, extra)
-        ek = jax.lax.dynamic_update_index_in_dim(ek, kk.astype(dtype), k, 2)
-        ev = jax.lax.dynamic_update_index_in_dim(ev, vv.astype(dtype), k, 2)
-        return out, h, (ek, ev, emask.at[:, k].set(True))
+        drafted_k, drafted_v, drafted_mask = extra
+        out, h, (new_k, new_v) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, extra)
+        drafted_k = jax.lax.dynamic_update_index_in_dim(drafted_k, new_k.astype(dtype), k, 2)
+        drafted_v = jax.lax.dynamic_update_index_in_dim(drafted_v, new_v.astype(dtype), k, 2)
+        return out, h, (drafted_k, drafted_v, drafted_mask.at[:, k].set(True))
 
     extra = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((B, L), bool))
     return draft_eagle(model, head, step, anchor, cache.last_feature, extra, keys, temperature, top_k, top_p)

@@ -343,8 +343,9 @@ class DrafterModel(nnx.Module):
         S = cache.k[0].shape[2]
         ctx_mask = (jnp.arange(S)[None, None] < cache.lengths[:, None, None])
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
-        ek, ev, emask = extra
+        drafted_k, drafted_v, drafted_mask = extra
         kw = dict(residual=feature[:, None]) if self.concat else {}
         x, (k, v) = self.layers[0](x, pos, inv_freq, cache.k[0], cache.v[0], ctx_mask,
-                                   jnp.ones((token.shape[0], 1, 1), bool), (ek, ev, emask[:, None, :]), **kw)
+                                   jnp.ones((token.shape[0], 1, 1), bool),
+                                   (drafted_k, drafted_v, drafted_mask[:, None, :]), **kw)
         return x[:, 0], self.final_norm(x)[:, 0], (k[:, :, 0], v[:, :, 0])

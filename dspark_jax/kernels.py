@@ -47,15 +47,15 @@ class KernelConfig:
         return use_pallas(getattr(self, kernel), kernel=kernel)
 
 
-# Where "auto" takes the Pallas kernel, per kernel and backend: where it was measured faster than the jnp path.
-# On an H200 (2026-12-04, jax 0.11.2, scripts/bench_pallas_*.py): the ragged attention kernel ran 1.2-3.0×
-# the reference at 16-64 requests and 2k-8k context, the Markov sampler 0.76-0.97× its fused-XLA reference
-# (V = 151936, R = 256, B = 1-64, two runs), so "auto" keeps the attention kernel on GPU and the jnp sampler. TPU:
-# nothing measured yet, so plain jnp there (a kernel joins this table once measured faster on a TPU; "pallas"
-# forces it meanwhile). jax's own TPU ragged paged attention (jax.experimental.pallas.ops.tpu.
-# ragged_paged_attention) does not fit our pools: it reads one layer's K and V interleaved in one
-# [pages, page_size, 2·K, H] array, where the serving pools are separate stacked [layers, pages, K, page_size, H]
-# arrays indexed by layer inside the scan; adapting them would copy a layer's whole pool every call.
+# Where "auto" takes the Pallas kernel, per kernel and backend: where it was measured faster than the jnp path
+# (scripts/bench_pallas_*.py; the numbers are in docs/benchmarks.md#kernels). On GPU the ragged attention kernel
+# beats its reference and the Markov sampler does not beat its fused-XLA reference, so "auto" takes the attention
+# kernel and the jnp sampler there. On TPU neither kernel has been measured, so plain jnp (a kernel joins this
+# table once measured faster on a TPU; "pallas" forces it until then). jax's own TPU ragged paged attention
+# (jax.experimental.pallas.ops.tpu.ragged_paged_attention) does not fit our pools: it reads one layer's K and V
+# interleaved in one [pages, page_size, 2·K, H] array, where the serving pools are separate stacked
+# [layers, pages, K, page_size, H] arrays indexed by layer inside the scan; adapting them would copy a layer's
+# whole pool every call.
 AUTO_PALLAS = {"attention": ("gpu",), "markov": ()}
 
 

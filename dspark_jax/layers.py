@@ -153,10 +153,9 @@ def dense(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
 
     Output-major, the product runs as w @ xᵀ, both operands contiguous along I, behind an optimization barrier
     (so XLA does not fold the transpose back into the dot), then transposed back (a few rows). On XLA:CPU that
-    is what makes a verification pass cheap: SmolLM2's whole pass over 8 tokens at context 64 took 40.7 ms this
-    way against 48.7 ms as x @ W (1.31× against 1.66× its one-token pass; `scripts/bench_verify_price.py`,
-    reports/2026-12-04/serve-probes/verify_price.log, one run), and the same at one token. The tied LM head is the same
-    product (model.tied_head)."""
+    is what makes a verification pass cheap: a pass over a few tokens costs less, relative to a one-token pass,
+    than as x @ W, and a one-token pass costs the same (`scripts/bench_verify_price.py`; "The price of
+    verifying" in docs/benchmarks.md). The tied LM head is the same product (model.tied_head)."""
     if not out_in:
         return jnp.matmul(x, w)
     rows = x.reshape(-1, x.shape[-1])
@@ -168,9 +167,8 @@ def _project(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
     """x [..., D] · w [D, N, H] (output-major: [N, H, D]) → [..., N, H], as a 2-D product over the flattened heads.
 
     The same contraction as the einsum "...D,DNH->...NH", but XLA:CPU runs a dot whose weight has two output
-    dimensions several times slower than the plain matrix product (measured on SmolLM2's q/k/v/o at one token:
-    20.5 ms for the 30 layers against 7.6 ms; scripts/bench_verify_price.py). The reshapes are free (row-major),
-    and merging N (the "model"-sharded dimension) with H keeps the sharding."""
+    dimensions several times slower than the plain matrix product (scripts/bench_verify_price.py). The reshapes
+    are free (row-major), and merging N (the "model"-sharded dimension) with H keeps the sharding."""
     heads = w.shape[:-1] if out_in else w.shape[1:]
     w = w.reshape(-1, w.shape[-1]) if out_in else w.reshape(w.shape[0], -1)
     return dense(x, w, out_in).reshape(*x.shape[:-1], *heads)

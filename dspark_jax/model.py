@@ -68,7 +68,7 @@ def tied_head(h: jax.Array, embed: jax.Array) -> jax.Array:
     """h [..., D] @ embed[V, D]ᵀ → float32 [..., V], the tied LM head.
 
     A few rows at a time (a verification pass: T = ℓ+1 tokens) run as embed @ hᵀ, with the [V, D] table as the
-    left operand, then transposed back: on XLA:CPU that product is ~1.3–1.5× faster than h @ embedᵀ at 2–16 rows
+    left operand, then transposed back: on XLA:CPU that product is faster than h @ embedᵀ at 2–16 rows
     (scripts/bench_verify_price.py). The barrier keeps XLA from folding the transpose back into the dot. One
     row (a decode step) keeps h @ embedᵀ, which is faster there. Same products, same sums: equal up to the
     order of the float additions."""

@@ -84,7 +84,7 @@ def _gather_pages(pages: jax.Array, ids, layer):
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _chunk_positions(page_size: int, chunk_tokens: int) -> int:
+def _chunk_pages(page_size: int, chunk_tokens: int) -> int:
     """Pages per loop iteration of `paged_attention_partial` (at least one page)."""
     return max(1, chunk_tokens // page_size)
 
@@ -100,10 +100,9 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
 
     Layout: the (request, kv head) pair is the batch of every product and a kv head's Q·G queries are its rows,
     and the gathered pages are contracted as they lie ([R, C, K, page, H], no transposed copy). On XLA:CPU this
-    beat contracting [R, Q, K, G, H] queries against transposed pages, 256 positions a step, at every shape
-    tried (30 layers, one run: 1 request × 8 queries at context 64 1.85 → 0.55 ms; 16 × 1 at 64 22.8 → 1.5 ms;
-    16 × 1 at 512 95.9 → 60.0 ms; 16 × 8 at 512 180 → 86 ms); 128 positions a step mask fewer positions at short
-    contexts than 256 and cost little loop overhead at long ones.
+    is faster than contracting [R, Q, K, G, H] queries against transposed pages at every shape tried (1–16
+    requests × 1–8 queries, context 64–512); 128 positions a step mask fewer positions at short contexts than
+    256 and cost little loop overhead at long ones.
 
     Args:
         q: [R, Q, N, H] queries of request r.
@@ -126,43 +125,46 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
         dense block of extra keys first.
     """
     R, Q, N, H = q.shape
-    P, K, ps, _ = k_pages.shape[-4:]
+    P, K, page_size, _ = k_pages.shape[-4:]
     block_tables, context_lens = jnp.asarray(block_tables), jnp.asarray(context_lens)
     M = block_tables.shape[1]
     G = N // K
-    cp = _chunk_positions(ps, chunk_tokens)
-    S = cp * ps
-    qm = _query_rows(q, K)
-    qpos = None if q_pos is None else jnp.repeat(q_pos, G, axis=1)  # [R, Q·G]
+    chunk_pages = _chunk_pages(page_size, chunk_tokens)
+    S = chunk_pages * page_size
+    q_rows = _query_rows(q, K)
+    q_pos_rows = None if q_pos is None else jnp.repeat(q_pos, G, axis=1)  # [R, Q·G]
     num_chunks = (jnp.max(context_lens) + S - 1) // S
 
     groups = 1 if num_queries is None else max(1, min(query_groups, Q))
     QB = -(-Q // groups)  # queries per group; Q is padded to groups · QB
     Qp = groups * QB
     if Qp > Q:
-        qm = jnp.pad(qm.reshape(R, K, Q, G, H), ((0, 0), (0, 0), (0, Qp - Q), (0, 0), (0, 0))).reshape(R, K, Qp * G, H)
-        qpos = None if qpos is None else jnp.pad(qpos, ((0, 0), (0, (Qp - Q) * G)), constant_values=-1)
+        q_rows = jnp.pad(q_rows.reshape(R, K, Q, G, H), ((0, 0), (0, 0), (0, Qp - Q), (0, 0), (0, 0)))
+        q_rows = q_rows.reshape(R, K, Qp * G, H)
+        if q_pos_rows is not None:
+            q_pos_rows = jnp.pad(q_pos_rows, ((0, 0), (0, (Qp - Q) * G)), constant_values=-1)
 
-    def scores_update(state, qg, qposg, exists, kpos, k, v):
-        """One group's queries qg [R, K, m, H] against one chunk of keys: the online-softmax step."""
-        m = qg.shape[2]
-        s = jnp.einsum("RKMH,RCKPH->RKMCP", qg, k, precision=_HIGHEST).reshape(R, K, m, S)
+    def scores_update(state, q_group, q_pos_group, exists, kpos, k, v):
+        """One group's queries q_group [R, K, m, H] against one chunk of keys: the online-softmax step."""
+        m = q_group.shape[2]
+        s = jnp.einsum("RKMH,RCKPH->RKMCP", q_group, k, precision=_HIGHEST).reshape(R, K, m, S)
         visible = exists[:, None, :]  # [R, 1 | m, S]; a key that does not exist stays hidden whatever it holds
-        if qposg is not None:
-            visible = visible & (kpos[None, None, :] <= qposg[:, :, None])
+        if q_pos_group is not None:
+            visible = visible & (kpos[None, None, :] <= q_pos_group[:, :, None])
         s = jnp.where(visible[:, None], s, -jnp.inf)
-        return _online_update(state, s, lambda p: jnp.einsum("RKMCP,RCKPH->RKMH", p.reshape(R, K, m, cp, ps),
-                                                             v, precision=_HIGHEST))
+        return _online_update(state, s, lambda p: jnp.einsum(
+            "RKMCP,RCKPH->RKMH", p.reshape(R, K, m, chunk_pages, page_size), v, precision=_HIGHEST))
 
     def body(c, state):
-        idx = jnp.clip(c * cp + jnp.arange(cp), 0, M - 1)
-        pages = jnp.clip(block_tables[:, idx], 0, P - 1)  # [R, cp]
+        idx = jnp.clip(c * chunk_pages + jnp.arange(chunk_pages), 0, M - 1)
+        pages = jnp.clip(block_tables[:, idx], 0, P - 1)  # [R, chunk_pages]
         kpos = c * S + jnp.arange(S)  # [S]
         exists = kpos[None] < context_lens[:, None]  # [R, S]
-        k = _gather_pages(k_pages, pages, layer).astype(jnp.float32)  # [R, cp, K, ps, H]
-        v = jnp.where(exists.reshape(R, cp, 1, ps, 1), _gather_pages(v_pages, pages, layer).astype(jnp.float32), 0.0)
+        k = _gather_pages(k_pages, pages, layer).astype(jnp.float32)  # [R, chunk_pages, K, page_size, H]
+        v = _gather_pages(v_pages, pages, layer).astype(jnp.float32)
+        v = jnp.where(exists.reshape(R, chunk_pages, 1, page_size, 1), v, 0.0)
         if groups == 1:
-            return scores_update(state, qm, qpos, exists, kpos, k, v)
+            return scores_update(state, q_rows, q_pos_rows, exists, kpos, k, v)
 
         def group(g, state):  # rows g·QB·G .. (g+1)·QB·G − 1 of the query-major layout are group g's queries
             at, size = g * QB * G, QB * G
@@ -170,8 +172,8 @@ def paged_attention_partial(q, k_pages, v_pages, block_tables, context_lens, q_p
             def cut(x):
                 return jax.lax.dynamic_slice_in_dim(x, at, size, axis=2)
 
-            qposg = None if qpos is None else jax.lax.dynamic_slice_in_dim(qpos, at, size, axis=1)
-            new = scores_update(tuple(cut(x) for x in state), cut(qm), qposg, exists, kpos, k, v)
+            q_pos_group = None if q_pos_rows is None else jax.lax.dynamic_slice_in_dim(q_pos_rows, at, size, axis=1)
+            new = scores_update(tuple(cut(x) for x in state), cut(q_rows), q_pos_group, exists, kpos, k, v)
             return tuple(jax.lax.dynamic_update_slice_in_dim(x, n, at, axis=2)
                          for x, n in zip(state, new, strict=True))
 
@@ -187,8 +189,8 @@ def _query_rows(q, K: int):
     """q [R, Q, N, H] → [R, K, Q·G, H] f32 scaled by 1/√H: kv head k's queries as rows t·G + g."""
     R, Q, N, H = q.shape
     G = N // K
-    qm = q.reshape(R, Q, K, G, H).transpose(0, 2, 1, 3, 4).reshape(R, K, Q * G, H)
-    return qm.astype(jnp.float32) / jnp.sqrt(jnp.float32(H))
+    q_rows = q.reshape(R, Q, K, G, H).transpose(0, 2, 1, 3, 4).reshape(R, K, Q * G, H)
+    return q_rows.astype(jnp.float32) / jnp.sqrt(jnp.float32(H))
 
 
 def _online_update(state, s, weighted_values):
@@ -208,8 +210,8 @@ def merge_block_keys(state, q, k, v, mask):
     mask bool [R, Q, T] (True = visible). Used by the drafter, whose block also attends to itself."""
     K = k.shape[2]
     G = q.shape[2] // K
-    qm = _query_rows(q, K)
-    s = jnp.einsum("RKMH,RTKH->RKMT", qm, k.astype(jnp.float32), precision=_HIGHEST)
+    q_rows = _query_rows(q, K)
+    s = jnp.einsum("RKMH,RTKH->RKMT", q_rows, k.astype(jnp.float32), precision=_HIGHEST)
     s = jnp.where(jnp.repeat(mask, G, axis=1)[:, None], s, -jnp.inf)
     return _online_update(state, s, lambda p: jnp.einsum("RKMT,RTKH->RKMH", p, v.astype(jnp.float32),
                                                          precision=_HIGHEST))
@@ -243,9 +245,9 @@ def batched_ragged_attention(q, k_pages, v_pages, block_tables, context_lens, qu
     q_len = query_start[1:] - query_start[:-1]  # [R]
     rows = query_start[:-1, None] + i  # [R, Q]
     valid = i[None] < q_len[:, None]
-    qr = q[jnp.clip(rows, 0, T - 1)]  # [R, Q, N, H]
+    q_blocks = q[jnp.clip(rows, 0, T - 1)]  # [R, Q, N, H]
     pos = (context_lens - q_len)[:, None] + i  # absolute position of each query [R, Q]
-    state = paged_attention_partial(qr, k_pages, v_pages, block_tables, context_lens, pos,
+    state = paged_attention_partial(q_blocks, k_pages, v_pages, block_tables, context_lens, pos,
                                     chunk_tokens=chunk_tokens, num_queries=jnp.max(q_len), layer=layer)
     o = finish_attention(state, jnp.float32, Q)
     o = jnp.where(valid[:, :, None, None], o, 0.0).reshape(-1, N, H)
@@ -271,7 +273,7 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
         (final-normed hidden [T, D], new kv, hidden [T, m·D] f32 or None).
     """
     cfg = model.cfg
-    page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
+    page, offset = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
     kernels = kernels_lib.KernelConfig.parse(kernels)
     use_kernel = kernels.pallas("attention")
     x = model.embed_tokens(tokens[None])  # [1, T, D]
@@ -284,14 +286,16 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
 
         def attend(q, k, v):
             # The pools ride in the carry and are written in place at layer i (the round's programs donate them).
-            kp, vp = write_pages(k_pool, k[0], page, off, i), write_pages(v_pool, v[0], page, off, i)
+            k_written = write_pages(k_pool, k[0], page, offset, i)
+            v_written = write_pages(v_pool, v[0], page, offset, i)
             if use_kernel:
-                a = kernels_lib.ragged_attention(q[0], kp, vp, block_tables, context_lens, query_start,
-                                                 max_q_len=max_q_len, use_kernel=True, layer=i, mesh=kernels.mesh)
+                a = kernels_lib.ragged_attention(q[0], k_written, v_written, block_tables, context_lens,
+                                                 query_start, max_q_len=max_q_len, use_kernel=True, layer=i,
+                                                 mesh=kernels.mesh)
             else:
-                a = batched_ragged_attention(q[0], kp, vp, block_tables, context_lens, query_start,
-                                             max_q_len=max_q_len, layer=i)
-            return a[None], (kp, vp)
+                a = batched_ragged_attention(q[0], k_written, v_written, block_tables, context_lens,
+                                             query_start, max_q_len=max_q_len, layer=i)
+            return a[None], (k_written, v_written)
 
         x, (k_pool, v_pool) = layer.block(x, lambda t: rotate(t, angles), attend)
         if hidden_layers:
@@ -315,14 +319,14 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
     feats [T, m·D]: the target features of the flat tokens."""
     if model.cfg.kind == "eagle3":
         return eagle_write_flat(model, kv, embed, feats, tokens, slot, pos, valid, first, block_tables)
-    page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
+    page, offset = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
     h = model.project_features(feats[None])  # [1, T, D]
     inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
     k_pool, v_pool = kv.k, kv.v
     for i, layer in enumerate(model.layers):  # a drafter's few layers, unrolled
         k, v = layer.context_kv(h, pos[None], inv_freq)
-        k_pool, v_pool = write_pages(k_pool, k[0], page, off, i), write_pages(v_pool, v[0], page, off, i)
-    feat = write_pages(kv.feat, h[0][:, None], page, off) if model.cfg.anchor_feature else kv.feat
+        k_pool, v_pool = write_pages(k_pool, k[0], page, offset, i), write_pages(v_pool, v[0], page, offset, i)
+    feat = write_pages(kv.feat, h[0][:, None], page, offset) if model.cfg.anchor_feature else kv.feat
     return PagedKV(k=k_pool, v=v_pool, feat=feat)
 
 
@@ -343,8 +347,8 @@ def eagle_write_flat(model: DrafterModel, kv: PagedKV, embed, feats, tokens, slo
     prev_page, prev_off = page_slots(block_tables, slot, prev_pos, valid, kv.num_pages, kv.page_size)
     stored = kv.feat[jnp.clip(prev_page, 0, kv.num_pages - 1), 0, prev_off].astype(fused.dtype)  # f_{pos−1}
     prev = jnp.where(first[:, None], stored, jnp.roll(fused, 1, axis=0))
-    page, off = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
-    feat = write_pages(kv.feat, fused[:, None], page, off)
+    page, offset = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
+    feat = write_pages(kv.feat, fused[:, None], page, offset)
     x = model.eagle_input(TargetHead(embed=embed, lm_head=None), tokens[None], prev[None])
     layer = model.layers[0]  # EAGLE-3 has one layer
     h = x if model.concat else layer.attn_norm(x)
@@ -410,21 +414,21 @@ def eagle_step_paged(model: DrafterModel, head: TargetHead, kv: PagedKV, block_t
     layer = model.layers[0]
 
     def step(token, feature, k, extra):
-        ek, ev = extra
+        drafted_k, drafted_v = extra
         x = model.eagle_input(head, token[:, None], feature[:, None])  # [B, 1, D] ([B, 1, 2D] concat)
         angles = rope_angles((context_lens + k)[:, None], inv_freq, x.dtype)
         seen = jnp.broadcast_to((jnp.arange(L) <= k)[None, None], (B, 1, L))
 
-        def block_keys(kk, vv):  # this step's key joins the drafted ones at slot k
-            nonlocal ek, ev
-            ek = jax.lax.dynamic_update_index_in_dim(ek, kk[:, 0].astype(ek.dtype), k, 1)
-            ev = jax.lax.dynamic_update_index_in_dim(ev, vv[:, 0].astype(ev.dtype), k, 1)
-            return ek, ev, seen
+        def block_keys(new_k, new_v):  # this step's key joins the drafted ones at slot k
+            nonlocal drafted_k, drafted_v
+            drafted_k = jax.lax.dynamic_update_index_in_dim(drafted_k, new_k[:, 0].astype(drafted_k.dtype), k, 1)
+            drafted_v = jax.lax.dynamic_update_index_in_dim(drafted_v, new_v[:, 0].astype(drafted_v.dtype), k, 1)
+            return drafted_k, drafted_v, seen
 
         xn, residual = (x, feature[:, None].astype(x.dtype)) if model.concat else (layer.attn_norm(x), x)
         y, _ = _layer_paged(layer, xn, residual, angles, kv, block_tables, context_lens, 0, block_keys,
                             chunk_tokens=chunk_tokens)
-        return y[:, 0], model.final_norm(y)[:, 0], (ek, ev)
+        return y[:, 0], model.final_norm(y)[:, 0], (drafted_k, drafted_v)
 
     shape = (B, L, cfg.num_kv_heads, cfg.head_dim)
     return step, (jnp.zeros(shape, kv.k.dtype), jnp.zeros(shape, kv.k.dtype))

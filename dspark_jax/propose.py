@@ -81,12 +81,13 @@ def _eagle_logits(model: DrafterModel, head: TargetHead, cache: DrafterCache, an
     dtype = cache.k[0].dtype
 
     def body(carry, k):
-        tok, feat, ek, ev, emask = carry
-        out, h, (kk, vv) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, (ek, ev, emask))
+        tok, feat, drafted_k, drafted_v, drafted_mask = carry
+        drafted = (drafted_k, drafted_v, drafted_mask)
+        out, h, (new_k, new_v) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, drafted)
         x, logits = _greedy(draft_vocab.head_logits(head, h, cfg), cfg)
-        ek = jax.lax.dynamic_update_index_in_dim(ek, kk.astype(dtype), k, 2)
-        ev = jax.lax.dynamic_update_index_in_dim(ev, vv.astype(dtype), k, 2)
-        return (x, out.astype(feat.dtype), ek, ev, emask.at[:, k].set(True)), (x, logits)
+        drafted_k = jax.lax.dynamic_update_index_in_dim(drafted_k, new_k.astype(dtype), k, 2)
+        drafted_v = jax.lax.dynamic_update_index_in_dim(drafted_v, new_v.astype(dtype), k, 2)
+        return (x, out.astype(feat.dtype), drafted_k, drafted_v, drafted_mask.at[:, k].set(True)), (x, logits)
 
     init = (anchor, cache.last_feature, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((B, L), bool))
     _, (tok, logits) = jax.lax.scan(body, init, jnp.arange(L))
@@ -124,10 +125,10 @@ def propose(target, drafter, prompt_ids) -> Proposal:
                                jnp.asarray(lens), hidden_layers=cfg.target_layers)
     anchor = jnp.argmax(logits, -1).astype(jnp.int32)  # [1]
     tied = target.config.tie_word_embeddings
-    dcache = drafter_prefill(drafter.graphdef, drafter.params, target.params, drafter.init_cache(1, capacity), feats,
-                             jnp.asarray(tokens), jnp.asarray(lens), tied=tied)
+    drafter_cache = drafter_prefill(drafter.graphdef, drafter.params, target.params, drafter.init_cache(1, capacity),
+                                    feats, jnp.asarray(tokens), jnp.asarray(lens), tied=tied)
     head = TargetHead.from_params(target.params, tied)
-    tok, block_logits, conf_logits = first_block(drafter.graphdef, drafter.params, head, dcache, anchor)
+    tok, block_logits, conf_logits = first_block(drafter.graphdef, drafter.params, head, drafter_cache, anchor)
     confidence = None
     if cfg.confidence:
         temps, offsets = calibration(cfg)

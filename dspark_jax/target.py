@@ -1,8 +1,9 @@
 """`Target`: the served model — config, tokenizer, parameters and its jitted forward — and `load_target`.
 
 The hot path is a pure function of (params, ...) — `apply` below — jitted once per shape with the KV cache
-donated, so each call updates the cache buffers in place instead of copying them (NOTES: 305 → 114 ms for a
-16×1 step). `nnx.jit` in graph mode costs tens of ms of Python per call, hence split/merge by hand.
+donated, so each call updates the cache buffers in place instead of copying them (a copy would otherwise take
+most of a small decode step's time). `nnx.jit` in graph mode costs tens of ms of Python per call, hence
+split/merge by hand.
 """
 
 from __future__ import annotations

@@ -289,7 +289,7 @@ def _make_config(U, w1, w2, anchor, temperature, seeds, block_v, split_v, block_
 
     pow2 = lambda n: 1 << max(0, math.ceil(math.log2(n)))  # noqa: E731
     if backend == "gpu":  # untuned starting points; scripts/bench_pallas_markov.py measures alternatives
-        # block_b 64 with R = 256 asks for 232 KiB of shared memory, over an H200's 227 KiB (measured 2026-12-04)
+        # block_b 64 with R = 256 asks for 232 KiB of shared memory, over an H200's 227 KiB
         default_b, default_v = min(64 if R <= 128 else 32, max(16, pow2(B))), min(128, max(16, pow2(V)))
     elif backend == "tpu":
         default_b, default_v = min(64, -(-B // 8) * 8), min(512, -(-V // 128) * 128)

@@ -242,7 +242,7 @@ MESH_SCRIPT = textwrap.dedent("""
         sh = train_shardings(mesh, params, opt, tparams)
         params, opt, tparams = jax.device_put(params, sh.params), jax.device_put(opt, sh.opt), \\
             jax.device_put(tparams, sh.target)
-        step = make_train_step(target, drafter, tx, shardings=sh, tparams=tparams)
+        step = make_train_step(target, drafter, tx, shardings=sh, target_params=tparams)
         losses = []
         for _ in range(3):
             params, opt, m = step(params, opt, put_batch(batch, sh.batch))
@@ -305,8 +305,8 @@ def test_qwen3_8b_pod_config_train_step_eval_shape():
              "anchors": jax.ShapeDtypeStruct((S, A), jnp.int32)}
 
     def step(dparams, opt_state, tparams, b):
-        (_, m), g = jax.value_and_grad(_loss, has_aux=True)(dparams, tparams, b, dgraph=dg, tgraph=tg, tied=False,
-                                                             weights=LossWeights())
+        (_, m), g = jax.value_and_grad(_loss, has_aux=True)(dparams, tparams, b, drafter_graph=dg, target_graph=tg,
+                                                             tied=False, weights=LossWeights())
         updates, opt_state = tx.update(g, opt_state, dparams)
         return updates, opt_state, m
 
@@ -398,7 +398,7 @@ def test_target_training_forward_is_the_plain_forward_without_the_verification_k
     drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=4, num_layers=1, markov_rank=8)
     batch = {"tokens": tokens, "lengths": jnp.array([40, 30, 12], jnp.int32),
              "anchors": jnp.array([[5, 9], [3, 20], [2, 8]], jnp.int32)}
-    loss = lambda dp, tp: _loss(dp, tp, batch, dgraph=drafter.graphdef, tgraph=target.graphdef,  # noqa: E731
+    loss = lambda dp, tp: _loss(dp, tp, batch, drafter_graph=drafter.graphdef, target_graph=target.graphdef,  # noqa: E731
                                 tied=tied, weights=LossWeights())
     monkeypatch.setattr(kernels.jax, "default_backend", lambda: "tpu")
     monkeypatch.setitem(kernels.AUTO_PALLAS, "attention", ("tpu",))

@@ -15,7 +15,7 @@ layer, and on GPU/TPU the Pallas *verification* kernel, built for a few query to
 partitioned for a training mesh): the same stacked layers run under `lax.scan` with plain causal attention,
 `jax.nn.dot_product_attention` (`is_causal`, grouped K/V heads; its default implementation is XLA's dense attention
 on every backend, f32 scores [B, N, T, T] per layer, partitioned by XLA like any other op — a flash kernel, cuDNN's
-or TPU Splash, would drop that buffer and is not measured here yet). Right padding needs no mask: a causal query
+or TPU Splash, would drop that buffer; none is wired in). Right padding needs no mask: a causal query
 never reads a later (pad) position. tests/test_train_pipeline.py checks it equals the plain forward and
 that the step's jaxpr holds no `pallas_call`.
 """
@@ -128,17 +128,17 @@ def target_features(model: Decoder, tokens: jax.Array, hidden_layers: tuple[int,
     return model.final_norm(x), concat_saved(saved)
 
 
-def _loss(dparams, tparams, batch, *, dgraph, tgraph, tied, weights):
+def _loss(drafter_params, target_params, batch, *, drafter_graph, target_graph, tied, weights):
     """Frozen target forward over the sequences (final hidden + the drafter's feature layers), then the loss."""
-    target = nnx.merge(tgraph, tparams)
-    model = nnx.merge(dgraph, dparams)
+    target = nnx.merge(target_graph, target_params)
+    model = nnx.merge(drafter_graph, drafter_params)
     tokens = batch["tokens"]
     if "feats" in batch:  # precomputed (train/features.py), bf16 on the host: widened here, on the device
         hidden, feats = batch["hidden"].astype(jnp.float32), batch["feats"].astype(jnp.float32)
     else:  # the target's prefill inside the step (`target_features`: no KV cache, no verification kernel)
         hidden, feats = target_features(target, tokens, model.cfg.target_layers)
     hidden, feats = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(feats)
-    head = TargetHead.from_params(tparams, tied)
+    head = TargetHead.from_params(target_params, tied)
     return drafter_loss(model, head, tokens, batch["lengths"], batch["anchors"], hidden, feats, weights,
                         target_lse=batch.get("lse"), anchor_mask=batch.get("anchor_mask"))
 
@@ -146,27 +146,27 @@ def _loss(dparams, tparams, batch, *, dgraph, tgraph, tied, weights):
 def make_loss_fn(target, drafter: Drafter, weights: LossWeights | None = None):
     """Jitted (drafter params, batch) → (loss, metrics), for evaluation."""
     weights = weights or LossWeights.for_kind(drafter.config.kind)
-    fn = jax.jit(functools.partial(_loss, dgraph=drafter.graphdef, tgraph=target.graphdef,
+    fn = jax.jit(functools.partial(_loss, drafter_graph=drafter.graphdef, target_graph=target.graphdef,
                                    tied=target.config.tie_word_embeddings, weights=weights))
-    return lambda dparams, batch: fn(dparams, target.params, batch)
+    return lambda drafter_params, batch: fn(drafter_params, target.params, batch)
 
 
 def make_train_step(target, drafter: Drafter, tx: optax.GradientTransformation,
-                    weights: LossWeights | None = None, shardings=None, tparams=None):
+                    weights: LossWeights | None = None, shardings=None, target_params=None):
     """Jitted step (drafter params, opt_state, batch) → (params, opt_state, metrics); donates both states.
 
     `shardings` (from `train.sharding.train_shardings`) pins the parameter and optimizer-state layouts on a
     mesh; without it the step runs wherever its inputs live (one device).
     """
     weights = weights or LossWeights.for_kind(drafter.config.kind)
-    loss = functools.partial(_loss, dgraph=drafter.graphdef, tgraph=target.graphdef,
+    loss = functools.partial(_loss, drafter_graph=drafter.graphdef, target_graph=target.graphdef,
                              tied=target.config.tie_word_embeddings, weights=weights)
 
-    def step(dparams, opt_state, tparams, batch):
-        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(dparams, tparams, batch)
-        updates, opt_state = tx.update(grads, opt_state, dparams)
+    def step(drafter_params, opt_state, target_params, batch):
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(drafter_params, target_params, batch)
+        updates, opt_state = tx.update(grads, opt_state, drafter_params)
         metrics["grad_norm"] = optax.global_norm(grads)
-        return optax.apply_updates(dparams, updates), opt_state, metrics
+        return optax.apply_updates(drafter_params, updates), opt_state, metrics
 
     if shardings is None:
         jitted = jax.jit(step, donate_argnums=(0, 1))
@@ -174,8 +174,8 @@ def make_train_step(target, drafter: Drafter, tx: optax.GradientTransformation,
         jitted = jax.jit(step, donate_argnums=(0, 1),
                          in_shardings=(shardings.params, shardings.opt, shardings.target, shardings.batch),
                          out_shardings=(shardings.params, shardings.opt, shardings.replicated))
-    tparams = target.params if tparams is None else tparams
-    return lambda dparams, opt_state, batch: jitted(dparams, opt_state, tparams, batch)
+    target_params = target.params if target_params is None else target_params
+    return lambda drafter_params, opt_state, batch: jitted(drafter_params, opt_state, target_params, batch)
 
 
 def train_drafter(target, drafter: Drafter, sequences, *, steps: int, batch_size: int = 16, seed: int = 0,

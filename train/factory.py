@@ -263,7 +263,8 @@ def shared_features_fn(target, layers: tuple[int, ...]):
     feats [S, T, m·D]) for every drafter (the graphdef is closed over: hashing it per call costs ms)."""
     from train.distill import target_features
 
-    return jax.jit(lambda tparams, tokens: target_features(nnx.merge(target.graphdef, tparams), tokens, layers))
+    return jax.jit(lambda target_params, tokens: target_features(nnx.merge(target.graphdef, target_params), tokens,
+                                                                  layers))
 
 
 def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: Budget, log) -> tuple[dict, dict]:

@@ -38,9 +38,10 @@ def bytes_per_token(num_layers: int, hidden_size: int, lse: bool = True) -> int:
     return 2 * (num_layers + 1) * hidden_size + (4 if lse else 0)
 
 
-def batch_bytes(data, dcfg, tcfg) -> int:
+def batch_bytes(data, drafter_config, target_config) -> int:
     """Host bytes of one global batch's features (`data`: a DataSection; the drafter's and target's configs)."""
-    return data.batch_sequences * data.seq_len * bytes_per_token(len(dcfg.target_layers), tcfg.hidden_size)
+    per_token = bytes_per_token(len(drafter_config.target_layers), target_config.hidden_size)
+    return data.batch_sequences * data.seq_len * per_token
 
 
 def encode(rec: dict, feats: np.ndarray, hidden: np.ndarray, lse: np.ndarray | None = None) -> bytes:

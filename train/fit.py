@@ -84,14 +84,14 @@ class RunPaths:
                    carry=r(cfg.run.carry_dir), vocab_file=r(cfg.drafter.draft_vocab_file))
 
 
-def init_params(dcfg, seed: int, shardings=None) -> dict:
+def init_params(drafter_cfg, seed: int, shardings=None) -> dict:
     """A fresh float32 drafter as a pure dict, made by one jitted program straight into `shardings` (each device
     computes its own shard; None: the default device): `init_drafter(..., seed=seed)`'s parameters up to float
     rounding (~1e-8: the same random bits, the initialisers' arithmetic fused)."""
     from dspark_jax.drafter_model import DrafterModel
 
     def init():
-        return nnx.to_pure_dict(nnx.split(DrafterModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(seed)))[1])
+        return nnx.to_pure_dict(nnx.split(DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed)))[1])
 
     return jax.jit(init, out_shardings=shardings)()
 
@@ -133,9 +133,10 @@ def build(cfg: TrainConfig, target=None):
         kind, directory = target_source(cfg)  # a path through run.path_roots, or a name / GGUF file
         target = load_target(os.fspath(directory) if kind == "hf" else cfg.target.spec,
                              resolve_dtype(cfg.target.dtype))
-    dcfg = drafter_config(cfg, target, RunPaths.of(cfg))
-    drafter = Drafter(dcfg, nnx.eval_shape(lambda: DrafterModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
-    return target, drafter.with_params(_to_state(drafter, init_params(dcfg, cfg.drafter.init_seed)))
+    drafter_cfg = drafter_config(cfg, target, RunPaths.of(cfg))
+    drafter = Drafter(drafter_cfg,
+                      nnx.eval_shape(lambda: DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+    return target, drafter.with_params(_to_state(drafter, init_params(drafter_cfg, cfg.drafter.init_seed)))
 
 
 def _host(metrics) -> dict:
@@ -218,11 +219,12 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
         target = load()
     elif kind == "load":
         target = load_target(cfg.target.spec, dtype)
-    tparams = nnx.to_pure_dict(target.params)
+    target_params = nnx.to_pure_dict(target.params)
     if kind != "hf":  # load_sharded made global arrays already
-        tparams = place(tparams, tree_shardings(mesh, tparams))
-    dcfg = drafter_config(cfg, target, paths)
-    drafter = Drafter(dcfg, nnx.eval_shape(lambda: DrafterModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+        target_params = place(target_params, tree_shardings(mesh, target_params))
+    drafter_cfg = drafter_config(cfg, target, paths)
+    drafter = Drafter(drafter_cfg,
+                      nnx.eval_shape(lambda: DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
     abstract = nnx.to_pure_dict(drafter.params)
     if lead:
         (paths.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -241,29 +243,29 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
             offset_path.unlink()  # a fresh start
     tx = make_optimizer(o.lr, o.steps, o.warmup, o.clip, o.weight_decay, o.end_lr_ratio, step_offset=step_offset)
     opt_abstract = jax.eval_shape(lambda p: init_train_state(p, tx)[1], abstract)
-    sh = train_shardings(mesh, abstract, opt_abstract, tparams)
+    sh = train_shardings(mesh, abstract, opt_abstract, target_params)
     if lead:
         held = {name: per_device_bytes(tree, dict(mesh.shape)) / 2**30
-                for name, tree in [("target", tparams), ("drafter", abstract), ("AdamW", opt_abstract)]}
+                for name, tree in [("target", target_params), ("drafter", abstract), ("AdamW", opt_abstract)]}
         print("train state per device: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in held.items()), flush=True)
     if carry is not None:
-        params = place(carry_params(carry["drafter"], abstract, dcfg), sh.params)
+        params = place(carry_params(carry["drafter"], abstract, drafter_cfg), sh.params)
     else:
-        params = init_params(dcfg, cfg.drafter.init_seed, sh.params)
+        params = init_params(drafter_cfg, cfg.drafter.init_seed, sh.params)
     params, opt_state = jax.jit(lambda p: init_train_state(p, tx), out_shardings=(sh.params, sh.opt),
                                 donate_argnums=0)(params)
-    weights = loss_weights(cfg, dcfg.kind)
-    step_fn = make_train_step(target, drafter, tx, weights, shardings=sh, tparams=tparams)
+    weights = loss_weights(cfg, drafter_cfg.kind)
+    step_fn = make_train_step(target, drafter, tx, weights, shardings=sh, target_params=target_params)
 
     d = cfg.data
     it = make_iterator(paths.data, seq_len=d.seq_len, anchors_per_seq=d.anchors_per_seq,
                        batch_sequences=d.batch_sequences, seed=cfg.run.seed, worker_count=d.worker_count,
                        process_index=jax.process_index(), process_count=jax.process_count(),
-                       feature_layers=dcfg.target_layers if d.features else None, features_path=paths.features)
+                       feature_layers=drafter_cfg.target_layers if d.features else None, features_path=paths.features)
     if d.features:
         from train.features import batch_bytes
 
-        print(f"precomputed features: {batch_bytes(d, dcfg, target.config) / 2**30:.2f} GiB of host memory per "
+        print(f"precomputed features: {batch_bytes(d, drafter_cfg, target.config) / 2**30:.2f} GiB of host memory per "
               "global batch (bf16)", flush=True)
     start, keep_from = 0, paths.out / "metrics.jsonl"
     if carry is not None:
@@ -283,9 +285,9 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
         from train.heldout import BestStep, HeldoutSets, make_eval_fn, summary
 
         heldout = HeldoutSets(h.sets, sequences=h.sequences, seq_len=d.seq_len, anchors_per_seq=h.anchors_per_seq,
-                              batch_sequences=d.batch_sequences, block_size=dcfg.block_size,
+                              batch_sequences=d.batch_sequences, block_size=drafter_cfg.block_size,
                               roots=cfg.run.path_roots)
-        eval_fn = make_eval_fn(target, drafter, weights, shardings=sh, tparams=tparams)
+        eval_fn = make_eval_fn(target, drafter, weights, shardings=sh, target_params=target_params)
         best, best_set = BestStep(paths.out, start), h.best_set or next(iter(h.sets))
         if lead:
             print(f"held-out acceptance every {h.every} steps on {heldout.rows()} sequences; the saved drafter is "
@@ -342,7 +344,7 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
         if lead:
             save_drafter(trained, paths.out / "drafter-last")
         kept = carry_params(paths.out / "best", jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host),
-                            dcfg)
+                            drafter_cfg)
         trained = drafter.with_params(_to_state(drafter, jax.tree.map(
             jnp.asarray if jax.process_count() == 1 else np.asarray, kept)))
         if lead:

@@ -103,7 +103,7 @@ class HeldoutSets:
         return out
 
 
-def make_eval_fn(target, drafter, weights=None, shardings=None, tparams=None):
+def make_eval_fn(target, drafter, weights=None, shardings=None, target_params=None):
     """(drafter params, host batch) → the loss's metrics, jitted once. With `shardings` (a training mesh) the batch
     is this process's rows of every global batch, placed like a training batch."""
     from train.distill import _loss
@@ -111,18 +111,18 @@ def make_eval_fn(target, drafter, weights=None, shardings=None, tparams=None):
     from train.sharding import put_batch
 
     weights = weights or LossWeights.for_kind(drafter.config.kind)
-    loss = functools.partial(_loss, dgraph=drafter.graphdef, tgraph=target.graphdef,
+    loss = functools.partial(_loss, drafter_graph=drafter.graphdef, target_graph=target.graphdef,
                              tied=target.config.tie_word_embeddings, weights=weights)
-    metrics = lambda dparams, tp, batch: loss(dparams, tp, batch)[1]  # noqa: E731
-    tparams = target.params if tparams is None else tparams
+    metrics = lambda drafter_params, target_params, batch: loss(drafter_params, target_params, batch)[1]  # noqa: E731
+    target_params = target.params if target_params is None else target_params
     if shardings is None:
         jitted = jax.jit(metrics)
-        return lambda dparams, batch: jitted(dparams, tparams, batch)
+        return lambda drafter_params, batch: jitted(drafter_params, target_params, batch)
     jitted = jax.jit(metrics, in_shardings=(shardings.params, shardings.target, shardings.batch),
                      out_shardings=shardings.replicated)
     P, i = jax.process_count(), jax.process_index()
-    return lambda dparams, batch: jitted(dparams, tparams, put_batch({k: v[i::P] for k, v in batch.items()},
-                                                                     shardings.batch))
+    return lambda drafter_params, batch: jitted(drafter_params, target_params,
+                                                put_batch({k: v[i::P] for k, v in batch.items()}, shardings.batch))
 
 
 def summary(result: dict, best_set: str, measure: str) -> float:

@@ -132,15 +132,15 @@ def packed_attention(q, k, v, ctx_k, ctx_v, ctx_mask, A: int):
     K, n = k.shape[2], Q // A
     G = N // K
     scale = 1.0 / jnp.sqrt(jnp.float32(H))
-    qg = q.reshape(S, Q, K, G, H)
-    sc = jnp.einsum("SQKGH,STKH->SKGQT", qg, ctx_k, preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(ctx_mask[:, None, None], sc, -jnp.inf)
-    qb, kb, vb = qg.reshape(S, A, n, K, G, H), k.reshape(S, A, n, K, H), v.reshape(S, A, n, K, H)
-    sb = jnp.einsum("SAQKGH,SAPKH->SKGAQP", qb, kb, preferred_element_type=jnp.float32) * scale
-    probs = jax.nn.softmax(jnp.concatenate([sc, sb.reshape(S, K, G, Q, n)], -1), axis=-1)
-    pc, pb = probs[..., : ctx_k.shape[1]], probs[..., ctx_k.shape[1] :].reshape(S, K, G, A, n, n)
-    out = jnp.einsum("SKGQT,STKH->SQKGH", pc.astype(ctx_v.dtype), ctx_v)
-    out = out + jnp.einsum("SKGAQP,SAPKH->SAQKGH", pb.astype(vb.dtype), vb).reshape(S, Q, K, G, H)
+    q_heads = q.reshape(S, Q, K, G, H)
+    ctx_scores = jnp.einsum("SQKGH,STKH->SKGQT", q_heads, ctx_k, preferred_element_type=jnp.float32) * scale
+    ctx_scores = jnp.where(ctx_mask[:, None, None], ctx_scores, -jnp.inf)
+    q_block, k_block, v_block = q_heads.reshape(S, A, n, K, G, H), k.reshape(S, A, n, K, H), v.reshape(S, A, n, K, H)
+    block_scores = jnp.einsum("SAQKGH,SAPKH->SKGAQP", q_block, k_block, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([ctx_scores, block_scores.reshape(S, K, G, Q, n)], -1), axis=-1)
+    ctx_probs, block_probs = probs[..., : ctx_k.shape[1]], probs[..., ctx_k.shape[1] :].reshape(S, K, G, A, n, n)
+    out = jnp.einsum("SKGQT,STKH->SQKGH", ctx_probs.astype(ctx_v.dtype), ctx_v)
+    out = out + jnp.einsum("SKGAQP,SAPKH->SAQKGH", block_probs.astype(v_block.dtype), v_block).reshape(S, Q, K, G, H)
     return out.reshape(S, Q, N, H)
 
 
@@ -163,10 +163,10 @@ def packed_block_hidden(model: DrafterModel, head: TargetHead, tokens, feats, an
     x, pos = x.reshape(S, A * n_in, -1), pos.reshape(S, A * n_in)
     ctx_mask = jnp.arange(T)[None, None, :] < jnp.repeat(anchors, n_in, axis=1)[:, :, None]  # [S, A·n_in, T]
     for layer in model.layers:
-        ck, cv = layer.context_kv(h_ctx, ctx_pos, inv_freq)  # [S, T, K, H] (eq. 3), once per sequence
+        ctx_k, ctx_v = layer.context_kv(h_ctx, ctx_pos, inv_freq)  # [S, T, K, H] (eq. 3), once per sequence
         q, k, v = layer.attn.qkv(layer.attn_norm(x))
         q, k = apply_rope(q, pos, inv_freq), apply_rope(k, pos, inv_freq)
-        x = x + layer.attn.out(packed_attention(q, k, v, ck.astype(k.dtype), cv.astype(v.dtype), ctx_mask, A))
+        x = x + layer.attn.out(packed_attention(q, k, v, ctx_k.astype(k.dtype), ctx_v.astype(v.dtype), ctx_mask, A))
         x = x + layer.mlp(layer.mlp_norm(x))
     h = model.final_norm(x).reshape(S * A, n_in, -1)
     return h if anchor_slot_predicts(cfg) else h[:, 1:]
@@ -207,13 +207,14 @@ def _eagle_logits(model: DrafterModel, head, cache, prev):
     dtype = cache.k[0].dtype
 
     def body(carry, inputs):
-        feat, ek, ev, emask = carry
+        feat, drafted_k, drafted_v, drafted_mask = carry
         k, tok = inputs
-        out, h, (kk, vv) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, (ek, ev, emask))
-        ek = jax.lax.dynamic_update_index_in_dim(ek, kk.astype(dtype), k, 2)
-        ev = jax.lax.dynamic_update_index_in_dim(ev, vv.astype(dtype), k, 2)
-        emask = emask.at[:, k].set(True)
-        return (out.astype(feat.dtype), ek, ev, emask), draft_vocab.head_logits(head, h, cfg)
+        drafted = (drafted_k, drafted_v, drafted_mask)
+        out, h, (new_k, new_v) = model.eagle_step(head, cache, tok, feat, cache.lengths + k, drafted)
+        drafted_k = jax.lax.dynamic_update_index_in_dim(drafted_k, new_k.astype(dtype), k, 2)
+        drafted_v = jax.lax.dynamic_update_index_in_dim(drafted_v, new_v.astype(dtype), k, 2)
+        drafted_mask = drafted_mask.at[:, k].set(True)
+        return (out.astype(feat.dtype), drafted_k, drafted_v, drafted_mask), draft_vocab.head_logits(head, h, cfg)
 
     init = (cache.last_feature, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((B, L), bool))
     _, logits = jax.lax.scan(body, init, (jnp.arange(L), prev.T))

@@ -99,9 +99,9 @@ def tree_shardings(mesh, tree):
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def train_shardings(mesh, dparams, opt_state, tparams) -> TrainShardings:
+def train_shardings(mesh, drafter_params, opt_state, target_params) -> TrainShardings:
     named = lambda tree: tree_shardings(mesh, tree)  # noqa: E731
-    return TrainShardings(params=named(dparams), opt=named(opt_state), target=named(tparams),
+    return TrainShardings(params=named(drafter_params), opt=named(opt_state), target=named(target_params),
                           batch=NamedSharding(mesh, PartitionSpec(BATCH_AXES)),
                           replicated=NamedSharding(mesh, PartitionSpec()))
 
