@@ -520,11 +520,13 @@ class ModelRunner:
         n_targets = 0 if prompt_targets is None else len(prompt_targets)
         if n_targets > n:
             raise ValueError(f"{n_targets} prompt targets for a chunk of {n} tokens")
-        targets = np.zeros(C, np.int32)
-        targets[:n_targets] = prompt_targets if n_targets else []
+        targets = None
+        if n_targets:
+            targets = np.zeros(C, np.int32)
+            targets[:n_targets] = prompt_targets
         tok, lp, prompt_lp = self._prefill_pass([tokens], [start], np.asarray(table_row, np.int32)[None], [key],
                                                 [temperature], [top_k], [top_p], rows=1, capacity=C, max_q_len=C,
-                                                logprobs=logprobs, next_tokens=targets if n_targets else None)
+                                                logprobs=logprobs, next_tokens=targets)
         if not logprobs and not n_targets:
             return int(tok[0]), None, None
         tok, lp, prompt_lp = jax.device_get((tok, lp if logprobs else None, prompt_lp if n_targets else None))

@@ -101,6 +101,9 @@ def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings
     dev = inflight = None
     t0 = time.perf_counter()
 
+    def active():  # the live slots as the device batch's `active` rows (padding rows of the bucket idle)
+        return jnp.asarray(np.pad(live, (0, len(batch.lengths) - B)))
+
     def push(r: int, tok: int) -> None:
         out[r].append(tok)
         batch.anchors[r] = tok
@@ -164,9 +167,7 @@ def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings
                 break
             continue
         if dev is None:
-            batch.rows = B
-            dev = runner.device_batch(batch)
-            dev = dev._replace(active=jnp.asarray(np.pad(live, (0, len(batch.lengths) - B))))
+            dev = runner.device_batch(batch)._replace(active=active())
         step = runner.dispatch(dev, StepKind.PLAIN, capacity=dec.capacity)
         n_steps += 1
         dev = runner.advance(dev, step)
@@ -174,7 +175,7 @@ def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings
             was_live = live.copy()
             read(inflight)
             if (was_live & ~live).any():  # rows that stopped drop out from the round after `step`
-                dev = dev._replace(active=dev.active & jnp.asarray(np.pad(live, (0, len(batch.lengths) - B))))
+                dev = dev._replace(active=dev.active & active())
         inflight = step
     if stats is not None:
         stats.update(steps=n_steps, prefills=n_prefill, tokens=n_tokens, seconds=time.perf_counter() - t0,
