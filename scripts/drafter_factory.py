@@ -4,13 +4,16 @@
   python scripts/drafter_factory.py run --target SPEC --out $OUT --minutes 9
   python scripts/drafter_factory.py run --target-parts P0 P1 --parts-json J --out $OUT --minutes 9
   python scripts/drafter_factory.py assemble FACTORY_OUT DEST # flat files → DEST/<kind>/ for load_drafter
+  python scripts/drafter_factory.py eval-prompts --out F      # the evaluation prompts, compact, for --eval-prompts
 
 What `run` does is train/factory.py's docstring. A device run carries at most 64 MiB of the working tree, and the
 SmolLM2 GGUF is 98 MB and the tracked tree already ~26 MiB: `split` it into three parts (~31 MiB each) plus a
 checksum file, bring one part per run while the machine is still held, each run copying its part off the working
 tree (e.g. `mkdir -p /tmp/factory && cp factory_in/*.part0 /tmp/factory/`), and in the last `run --target-parts`
 joins them (checking the sha256) into a temporary GGUF and loads it. The GPU image lacks the `gguf` package:
-carry its wheel in `.whl/` (see scripts/gpu_check.sh); nothing here needs grain or array_record.
+carry its wheel in `.whl/` (see scripts/gpu_check.sh); nothing here needs grain or array_record. The evaluation
+prompts (`../shared/eval_datasets`, outside the tree) travel as the 0.9 MB file `eval-prompts` writes, given to
+`run --eval-prompts`: a run that finds none stops rather than train on queries nobody checked.
 """
 
 from __future__ import annotations
@@ -36,10 +39,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     sp.add_argument("--out", required=True, help="directory for <name>.partK and <name>.parts.json")
     sp.add_argument("--parts", type=int, default=2, help="how many parts (equal sizes)")
 
+    e = sub.add_parser("eval-prompts", help="the evaluation prompts as one compact file for --eval-prompts")
+    e.add_argument("--out", required=True, help="file to write (gzipped JSON of the normalised turns)")
+    e.add_argument("--source", default=None, help="directory of evaluation sets (default ../shared/eval_datasets)")
+
     r = sub.add_parser("run", help="prompts → data → training → held-out c* → flat files")
     r.add_argument("--target", default=None, help="target name, HF directory or .gguf file")
     r.add_argument("--target-parts", nargs="+", default=None, help="the target's byte parts, in order")
     r.add_argument("--parts-json", default=None, help="the checksum file `split` wrote (checks the joined file)")
+    r.add_argument("--eval-prompts", default=None,
+                   help="the evaluation prompts no Magpie query may equal: a directory of sets or the file "
+                        "`eval-prompts` wrote (default ../shared/eval_datasets); an empty set stops the run")
+    r.add_argument("--no-eval-filter", action="store_true",
+                   help="run without any evaluation prompts to filter against (says so loudly)")
     r.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on GPU/TPU), float32, bfloat16")
     r.add_argument("--out", required=True, help="directory for the flat output files (≤ 8, ≤ 16 MiB each)")
     defaults = FactorySettings()
@@ -103,20 +115,41 @@ def _load_target(args):
     return load_target(path, args.dtype)
 
 
+def _banned(args) -> frozenset[str]:
+    """The evaluation prompts the run filters against; none found stops the run unless --no-eval-filter."""
+    from train import magpie
+
+    banned = magpie.eval_prompts(args.eval_prompts or magpie.EVAL_DIR)
+    if args.no_eval_filter:
+        print(f"WARNING: --no-eval-filter: Magpie queries are not checked against the evaluation prompts "
+              f"({len(banned)} found, ignored)", flush=True)
+        return frozenset()
+    if not banned:
+        raise SystemExit(f"no evaluation prompts at {args.eval_prompts or magpie.EVAL_DIR}: give --eval-prompts "
+                         "(a file from `eval-prompts`) or, knowingly, --no-eval-filter")
+    return banned
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.command == "split":
         _split(args)
+    elif args.command == "eval-prompts":
+        from train import magpie
+
+        n = magpie.save_eval_prompts(args.out, args.source or magpie.EVAL_DIR)
+        print(f"{n} evaluation prompts → {args.out} ({os.path.getsize(args.out) / 1e6:.2f} MB)")
     elif args.command == "assemble":
         for kind, d in assemble(args.factory_dir, args.dest).items():
             print(f"{kind}: {d}")
     else:
+        banned = _banned(args)
         t0 = time.monotonic()
         fields = set(FactorySettings.__dataclass_fields__)
         s = FactorySettings(**{k: (tuple(v) if k == "kinds" else v) for k, v in vars(args).items() if k in fields})
         target = _load_target(args)
         print(f"target loaded in {time.monotonic() - t0:.1f} s", flush=True)
-        metrics = run_factory(target, args.out, s, say=lambda line: print(line, flush=True))
+        metrics = run_factory(target, args.out, s, banned=banned, say=lambda line: print(line, flush=True))
         print(json.dumps({k: metrics[k] for k in ("data", "heldout_acceptance", "elapsed_s")}, indent=1))
     return 0
 

@@ -43,7 +43,12 @@ def model_dir(tmp_path_factory):
 def test_factory_end_to_end(model_dir, tmp_path):
     out, dest = tmp_path / "out", tmp_path / "drafters"
     script = _script()
+    sets = tmp_path / "eval_sets"
+    sets.mkdir()
+    (sets / "tiny.jsonl").write_text(json.dumps({"turns": ["t40 t41 t42 t43 t44 t45 t46 t47"]}) + "\n")
+    script.main(["eval-prompts", "--source", str(sets), "--out", str(tmp_path / "eval.json.gz")])
     script.main(["run", "--target", str(model_dir), "--dtype", "float32", "--out", str(out), "--minutes", "2",
+                 "--eval-prompts", str(tmp_path / "eval.json.gz"),
                  "--kinds", "dspark", "eagle3", "--magpie", "12", "--docstrings", "40",
                  "--max-query-tokens", "16", "--max-prompt-tokens", "48", "--gen-tokens", "1500",
                  "--gen-batch", "16", "--max-new-tokens", "24", "--seq-len", "64", "--batch-sequences", "4",
@@ -54,6 +59,7 @@ def test_factory_end_to_end(model_dir, tmp_path):
     assert all((out / f).is_file() and (out / f).stat().st_size <= factory.MAX_FILE_BYTES for f in files)
     metrics = json.loads((out / factory.METRICS_FILE).read_text())
     assert metrics["data"]["response_tokens"] > 0 and metrics["train"]["steps"] == 12
+    assert metrics["data"]["eval_prompts_banned"] == 1
     for kind in ("dspark", "eagle3"):
         held = metrics["heldout_acceptance"][kind]
         assert len(held["t1"]) == 7 and all(0 <= c <= 1 for c in held["t1"])
@@ -70,6 +76,19 @@ def test_factory_end_to_end(model_dir, tmp_path):
         assert d.config.kind == kind
         spec = dspark_jax.generate(target, prompts, drafter=d, max_new_tokens=12, ignore_eos=True).tokens
         assert spec == plain, kind
+
+
+def test_run_without_evaluation_prompts_stops(tmp_path, capsys):
+    """No evaluation prompts to filter against stops the run before the target loads; the opt-out says so."""
+    script = _script()
+    args = ["run", "--target", "no-such-target", "--out", str(tmp_path / "out"),
+            "--eval-prompts", str(tmp_path / "missing")]
+    with pytest.raises(SystemExit, match="no evaluation prompts"):
+        script.main(args)
+    with pytest.raises(Exception) as err:  # the opt-out goes on to load the (missing) target
+        script.main(args + ["--no-eval-filter"])
+    assert not isinstance(err.value, SystemExit) or "no evaluation prompts" not in str(err.value)
+    assert "WARNING: --no-eval-filter" in capsys.readouterr().out
 
 
 def test_split_and_join_parts(tmp_path):

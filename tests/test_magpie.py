@@ -58,6 +58,11 @@ def test_eval_prompts_read_every_turn(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"turns": ["First  Q", "Second\u2028Q"]}) + "\n")
     assert magpie.eval_prompts(tmp_path) == {"first q", "second q"}  # U+2028 inside a text is whitespace
     assert magpie.eval_prompts(tmp_path / "missing") == frozenset()
+    # The compact copy a device run carries reads back as the same set; an empty source is refused.
+    assert magpie.save_eval_prompts(tmp_path / "eval.json.gz", tmp_path) == 2
+    assert magpie.eval_prompts(tmp_path / "eval.json.gz") == {"first q", "second q"}
+    with pytest.raises(ValueError, match="no evaluation prompts"):
+        magpie.save_eval_prompts(tmp_path / "none.json.gz", tmp_path / "missing")
 
 
 def test_magpie_prompts_of_a_tiny_target(target):

@@ -174,13 +174,14 @@ def planned_files(cfgs: dict) -> dict[str, int]:
     return {**out, METRICS_FILE: 1, LOG_FILE: 1}
 
 
-def collect_prompts(target, s: FactorySettings, budget: Budget, log) -> list[tuple[str, list[int]]]:
-    """(source, chat-templated ids) of the Magpie queries and docstring prompts, ≤ max_prompt_tokens each."""
+def collect_prompts(target, s: FactorySettings, budget: Budget, log, banned: frozenset[str]
+                    ) -> list[tuple[str, list[int]]]:
+    """(source, chat-templated ids) of the Magpie queries and docstring prompts, ≤ max_prompt_tokens each; a
+    query equal to one of `banned` (the normalised evaluation prompts, `magpie.eval_prompts`) is dropped."""
     from train import datasets, magpie
 
     texts = [("docstring", t) for t in datasets.load_prompts("train", "code", s.docstrings, seed=s.seed)]
-    banned = magpie.eval_prompts()
-    log(f"evaluation prompts filtered out of the Magpie queries: {len(banned)} (0: {magpie.EVAL_DIR} is absent)")
+    log(f"evaluation prompts the Magpie queries are checked against: {len(banned)}")
     queries = magpie.magpie_prompts(target, s.magpie, seed=s.seed, batch_size=s.gen_batch,
                                     max_query_tokens=s.max_query_tokens, banned=banned,
                                     deadline=budget.deadline("prompts"), kernels=s.kernels)
@@ -388,9 +389,11 @@ def assemble(factory_dir: str, dest: str) -> dict[str, str]:
     return out
 
 
-def run_factory(target, out_dir: str, s: FactorySettings, *, start: float | None = None, say=print) -> dict:
+def run_factory(target, out_dir: str, s: FactorySettings, *, banned: frozenset[str], start: float | None = None,
+                say=print) -> dict:
     """Prompts → data → training → held-out c* → flat files in `out_dir`, within s.minutes from `start`
-    (default: now). Returns the metrics written to metrics.json."""
+    (default: now). `banned`: the normalised evaluation prompts no Magpie query may equal. Returns the metrics
+    written to metrics.json."""
     budget = Budget(s, start)
     lines: list[str] = []
 
@@ -404,7 +407,7 @@ def run_factory(target, out_dir: str, s: FactorySettings, *, start: float | None
     if sum(files.values()) > MAX_FILES:
         raise ValueError(f"these drafters need {files} files, more than {MAX_FILES}: drop a kind or shrink them")
     log(f"backend {jax.default_backend()}, target {target.source} ({target.dtype}), settings {dataclasses.asdict(s)}")
-    prompts = collect_prompts(target, s, budget, log)
+    prompts = collect_prompts(target, s, budget, log, banned)
     data = generate_data(target, prompts, s, budget, log)
     drafters, train_stats = train_drafters(target, cfgs, data, s, budget, log)
     held = heldout_acceptance(target, drafters, data, s)
@@ -412,7 +415,7 @@ def run_factory(target, out_dir: str, s: FactorySettings, *, start: float | None
         log(f"held-out c* {kind}: T=1 {h.get('t1')}, T=0 {h.get('t0')}")
     metrics = {
         "settings": dataclasses.asdict(s), "backend": jax.default_backend(), "target": target.source,
-        "data": {"prompts": len(prompts), "sequences": len(data["sequences"]),
+        "data": {"prompts": len(prompts), "eval_prompts_banned": len(banned), "sequences": len(data["sequences"]),
                  "response_tokens": data["response_tokens"], "seconds": round(data["seconds"], 1),
                  "tokens_per_s": round(data["response_tokens"] / max(data["seconds"], 1e-9), 1),
                  "greedy": int(np.sum(data["greedy"])), "heldout": int(np.sum(data["heldout"]))},

@@ -20,7 +20,9 @@ Shapes: prompts are token-id lists (prefix + seed words), at most `max_query_tok
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 import pathlib
 import random
 import time
@@ -75,17 +77,32 @@ def normalise(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def eval_prompts(directory: str | pathlib.Path = EVAL_DIR) -> frozenset[str]:
-    """Every turn of every evaluation set in `directory` (`{"turns": [...]}` per line), normalised; empty when
-    the directory does not exist (a machine without the shared checkout: nothing generated can be one of them
-    there by lookup, so this filter is then moot, and the caller says so)."""
-    directory = pathlib.Path(directory)
+def eval_prompts(source: str | pathlib.Path = EVAL_DIR) -> frozenset[str]:
+    """Every turn of every evaluation set, normalised. `source` is a directory of sets (`{"turns": [...]}` per
+    line; a missing directory gives an empty set, which callers that must filter refuse) or a file
+    `save_eval_prompts` wrote: the same set in 0.9 MB instead of the sets' 3.6, for a machine that has no shared
+    checkout and gets what a run carries."""
+    source = pathlib.Path(source)
+    if source.is_file():
+        with gzip.open(source, "rt", encoding="utf-8") as f:
+            return frozenset(json.load(f))
     out: set[str] = set()
-    for path in sorted(directory.glob("*.jsonl")) if directory.is_dir() else ():
+    for path in sorted(source.glob("*.jsonl")) if source.is_dir() else ():
         for line in path.read_text(encoding="utf-8").split("\n"):  # not splitlines: texts hold U+2028
             if line.strip():
                 out.update(normalise(t) for t in json.loads(line)["turns"])
     return frozenset(out)
+
+
+def save_eval_prompts(path: str | pathlib.Path, source: str | pathlib.Path = EVAL_DIR) -> int:
+    """Writes `eval_prompts(source)` to `path` (gzipped JSON list) and returns how many; an empty set is an
+    error (a missing directory would otherwise travel as a filter that bans nothing)."""
+    banned = eval_prompts(source)
+    if not banned:
+        raise ValueError(f"no evaluation prompts under {os.fspath(source)!r}")
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump(sorted(banned), f)
+    return len(banned)
 
 
 def keep_query(text: str, seen: set[str], banned: Iterable[str] = ()) -> str | None:
@@ -190,5 +207,5 @@ class _OutOfTime(Exception):
     pass
 
 
-__all__ = ["SEEDS", "end_of_turn_id", "eval_prompts", "keep_query", "magpie_prompts", "seed_plan",
-           "template_parts"]
+__all__ = ["SEEDS", "end_of_turn_id", "eval_prompts", "keep_query", "magpie_prompts", "save_eval_prompts",
+           "seed_plan", "template_parts"]
