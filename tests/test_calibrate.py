@@ -141,6 +141,11 @@ def test_png_writers(tmp_path, fitted):
     runs = {"a": [{"step": s, "loss": 5.0 / (s + 1), "acceptance": 0.1 * s} for s in range(5)],
             "b": [{"step": s, "loss": 4.0 / (s + 1)} for s in range(5)]}
     assert _is_png(plots.plot_loss_curves(runs, tmp_path / "loss.png"))
+    held = {name: [{"step": s, "heldout": {"t1": {"c_star": [0.1 * s + d, 0.05 * s]}}} for s in (50, 100)]
+            for name, d in (("base", 0.0), ("arm", 0.02))}
+    assert _is_png(plots.plot_heldout_runs(held, tmp_path / "ab.png", reference={"shipped": (0.3, 0.35)}))
+    with pytest.raises(ValueError, match="no run holds"):
+        plots.plot_heldout_runs(held, tmp_path / "none.png", set_name="t0")
     throughput = {"static": {1: {"total_tps": 50, "per_user_tps": 50}, 8: {"total_tps": 300, "per_user_tps": 37}},
                   "dspark": {"1": {"total_tps": 60, "per_user_tps": 60}, "8": {"total_tps": 380, "per_user_tps": 47}}}
     assert _is_png(plots.plot_throughput(throughput, tmp_path / "throughput.png"))

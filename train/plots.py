@@ -6,6 +6,7 @@ from saved results without a model:
   plot_conditional_acceptance — c_k per draft position (paper Fig. 2), one panel per domain if given;
   plot_loss_curves            — training loss (and acceptance, when logged) against step, from JSONL records;
   plot_heldout                — one run's training loss beside its held-out acceptance (train/heldout.py);
+  plot_heldout_runs           — several runs' held-out acceptance against step (A/Bs), reference levels dotted;
   plot_throughput             — total and per-user tokens/s against concurrency, per scheduler.
 Every function returns the path it wrote.
 """
@@ -177,6 +178,49 @@ def plot_heldout(records: Sequence[Mapping], path, best_step: int | None = None,
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_heldout_runs(runs: Mapping[str, Sequence[Mapping]], path, *, set_name: str = "t1",
+                      measure: str = "c_star", reference: Mapping[str, float] | None = None,
+                      title: str = "Held-out acceptance"):
+    """One set's held-out measure against step for several runs (the A/B view): mean over draft positions in
+    the left panel, position 1 in the right, one line per run.
+
+    Args:
+      runs: {run name: metrics.jsonl records}; only held-out lines ({"step", "heldout": {set: {measure: [L]}}})
+        are read.
+      path: output PNG path.
+      set_name, measure: which held-out set and measure ("c_star" or "top1").
+      reference: {label: (mean, position 1)} drawn as dotted horizontal lines, e.g. a shipped drafter measured
+        on the same rows by `python -m train heldout`.
+      title: figure title.
+
+    Returns:
+      path.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    drawn = 0
+    for i, (name, records) in enumerate(runs.items()):
+        pts = [(r["step"], r["heldout"][set_name][measure]) for r in records
+               if set_name in r.get("heldout", {})]
+        if not pts:
+            continue
+        drawn += 1
+        steps = [s for s, _ in pts]
+        axes[0].plot(steps, [float(np.mean(v)) for _, v in pts], marker="o", color=f"C{i}", label=name)
+        axes[1].plot(steps, [v[0] for _, v in pts], marker="o", color=f"C{i}", label=name)
+    if not drawn:
+        raise ValueError(f"no run holds held-out {measure!r} results on set {set_name!r}")
+    for j, (label, levels) in enumerate((reference or {}).items()):
+        for ax, level in zip(axes, levels, strict=True):
+            ax.axhline(level, color=f"C{drawn + j}", ls=":", label=label)
+    for ax, sub in zip(axes, ("mean over draft positions", "position 1"), strict=True):
+        ax.set(xlabel="step", ylabel=f"held-out {measure} ({set_name})", title=sub)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     return _save(fig, path)
 
