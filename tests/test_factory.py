@@ -138,3 +138,27 @@ def test_budget_takes_an_overrun_from_later_phases(monkeypatch):
     assert b.deadline("data") == pytest.approx(340 + 360 * 0.3 / 0.9)
     now[0] = 100 + 700  # past the end: every later phase gets nothing, not a negative time
     assert b.deadline("train") == pytest.approx(800)
+
+
+def test_gpu_factory_script_stages_parts_and_refuses_a_missing_one(tmp_path):
+    """scripts/gpu_factory.sh: `stage N` copies the carried part N to the stage folder; `run` stops before any
+    work when a part is neither carried nor staged (a stage run whose machine lapsed)."""
+    import subprocess
+
+    carried, stage = tmp_path / "in", tmp_path / "stage"
+    carried.mkdir()
+    info = factory.split_file(_write(tmp_path / "t.gguf", 10_000), str(carried), part_bytes=4_000)
+    (carried / "t.gguf.parts.json").write_text(json.dumps(info))
+    env = {**os.environ, "FACTORY_IN": str(carried), "FACTORY_STAGE": str(stage), "OUT": str(tmp_path / "out")}
+    script = str(ROOT / "scripts" / "gpu_factory.sh")
+    ok = subprocess.run([script, "stage", "0"], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0 and (stage / "t.gguf.part0").read_bytes() == (carried / "t.gguf.part0").read_bytes()
+    (carried / "t.gguf.part1").unlink()  # neither carried nor staged
+    bad = subprocess.run([script, "run"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 1 and "part t.gguf.part1 is neither carried nor staged" in bad.stderr
+    assert subprocess.run([script, "stage", "5"], env=env, capture_output=True, text=True).returncode == 1
+
+
+def _write(path, n: int) -> str:
+    path.write_bytes(os.urandom(n))
+    return str(path)
