@@ -564,7 +564,8 @@ class ModelRunner:
         tables = np.full((rows, self.max_pages), self.num_pages, np.int32)
         tables[:n] = block_tables
         chunk = self._put(PrefillChunk(
-            tokens=tokens, next_tokens=np.zeros(capacity, np.int32) if next_tokens is None else next_tokens,
+            tokens=tokens,
+            next_tokens=np.zeros(capacity, np.int32) if next_tokens is None else np.array(next_tokens, np.int32),
             starts=per_request(starts, np.int32), counts=counts, block_tables=tables,
             keys=per_request(np.asarray(keys, np.uint32).reshape(n, 2), np.uint32),
             temperature=per_request(temperature, np.float32), top_k=per_request(top_k, np.int32),
@@ -589,17 +590,19 @@ class ModelRunner:
         if got is None:
             if len(self._uploads) >= 512:
                 self._uploads.clear()
-            got = self._uploads[key] = self._put(x)
+            got = self._uploads[key] = self._put(np.array(x))  # a copy: the caller may change x in place
         return got
 
     def device_batch(self, b: StepBatch) -> DeviceBatch:
-        """The step's arrays on device (uploaded once; `draft` and `dispatch` share them)."""
+        """The step's arrays on device (uploaded once; `draft` and `dispatch` share them). Uploaded from copies:
+        `device_put` may still be reading a host buffer after it returns, and callers update their StepBatch in
+        place while the round runs."""
         return self._put(DeviceBatch(
-            active=np.asarray(b.active, bool), lengths=np.asarray(b.lengths, np.int32),
-            anchors=np.asarray(b.anchors, np.int32), block_tables=np.asarray(b.block_tables, np.int32),
-            temperature=np.asarray(b.temperature, np.float32), top_k=np.asarray(b.top_k, np.int32),
-            top_p=np.asarray(b.top_p, np.float32), keys=np.asarray(b.keys, np.uint32),
-            rounds=np.asarray(b.rounds, np.int32), logprobs=np.asarray(b.logprobs, bool)))
+            active=np.array(b.active, bool), lengths=np.array(b.lengths, np.int32),
+            anchors=np.array(b.anchors, np.int32), block_tables=np.array(b.block_tables, np.int32),
+            temperature=np.array(b.temperature, np.float32), top_k=np.array(b.top_k, np.int32),
+            top_p=np.array(b.top_p, np.float32), keys=np.array(b.keys, np.uint32),
+            rounds=np.array(b.rounds, np.int32), logprobs=np.array(b.logprobs, bool)))
 
     def draft(self, b: StepBatch, dev: DeviceBatch | None = None):
         """(draft, q, confidence) device arrays for every row of the batch bucket; q is over the drafter's
