@@ -119,13 +119,14 @@ def _banned(args) -> frozenset[str]:
     """The evaluation prompts the run filters against; none found stops the run unless --no-eval-filter."""
     from train import magpie
 
-    banned = magpie.eval_prompts(args.eval_prompts or magpie.EVAL_DIR)
+    source = args.eval_prompts or magpie.EVAL_DIR
+    banned = magpie.eval_prompts(source)
     if args.no_eval_filter:
         print(f"WARNING: --no-eval-filter: Magpie queries are not checked against the evaluation prompts "
               f"({len(banned)} found, ignored)", flush=True)
         return frozenset()
     if not banned:
-        raise SystemExit(f"no evaluation prompts at {args.eval_prompts or magpie.EVAL_DIR}: give --eval-prompts "
+        raise SystemExit(f"no evaluation prompts at {source}: give --eval-prompts "
                          "(a file from `eval-prompts`) or, knowingly, --no-eval-filter")
     return banned
 

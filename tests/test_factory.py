@@ -5,7 +5,6 @@ target-only), and the byte-part split/join the target travels in."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -19,10 +18,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("drafter_factory", ROOT / "scripts" / "drafter_factory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("drafter_factory")
 
 
 @pytest.fixture(scope="module")

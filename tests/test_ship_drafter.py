@@ -3,18 +3,13 @@ logged held-out acceptance and without it when it did not."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("ship_drafter", ROOT / "scripts" / "ship_drafter.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("ship_drafter")
 
 
 def _run(tmp_path, heldout: bool):
