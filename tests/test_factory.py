@@ -38,9 +38,18 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def test_factory_end_to_end(model_dir, tmp_path):
+def test_factory_end_to_end(model_dir, tmp_path, monkeypatch):
     out, dest = tmp_path / "out", tmp_path / "drafters"
     script = _script()
+    evaluate, seen = factory.heldout_acceptance, {}
+
+    def heldout_after_the_drafters_are_out(*args, **kwargs):
+        # a run cut off during the held-out evaluation still returns its drafters, metrics and log
+        seen["files"] = sorted(os.listdir(out))
+        seen["metrics"] = json.loads((out / factory.METRICS_FILE).read_text())
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(factory, "heldout_acceptance", heldout_after_the_drafters_are_out)
     sets = tmp_path / "eval_sets"
     sets.mkdir()
     (sets / "tiny.jsonl").write_text(json.dumps({"turns": ["t40 t41 t42 t43 t44 t45 t46 t47"]}) + "\n")
@@ -52,7 +61,10 @@ def test_factory_end_to_end(model_dir, tmp_path):
                  "--gen-batch", "16", "--max-new-tokens", "24", "--seq-len", "64", "--batch-sequences", "4",
                  "--anchors-per-seq", "4", "--train-steps", "12", "--dspark-layers", "1", "--dflash-layers", "1",
                  "--markov-rank", "8", "--heldout-share", "0.25", "--lr", "0.01"])
+    assert seen["metrics"]["heldout_acceptance"] is None and set(seen["metrics"]["drafters"]) == {"dspark", "eagle3"}
+    assert factory.LOG_FILE in seen["files"] and "train:" in (out / factory.LOG_FILE).read_text()
     files = sorted(os.listdir(out))
+    assert files == seen["files"]
     assert len(files) <= factory.MAX_FILES and factory.METRICS_FILE in files and factory.LOG_FILE in files
     assert all((out / f).is_file() and (out / f).stat().st_size <= factory.MAX_FILE_BYTES for f in files)
     metrics = json.loads((out / factory.METRICS_FILE).read_text())

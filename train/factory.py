@@ -397,10 +397,16 @@ def run_factory(target, out_dir: str, s: FactorySettings, *, banned: frozenset[s
     budget = Budget(s, start)
     lines: list[str] = []
 
+    os.makedirs(out_dir, exist_ok=True)
+    log_path = os.path.join(out_dir, LOG_FILE)
+    open(log_path, "w").close()
+
     def log(msg: str) -> None:
         line = f"[{time.monotonic() - budget.start:7.1f} s] {msg}"
         lines.append(line)
         say(line)
+        with open(log_path, "a") as f:  # as it goes: a run cut off by the device's limit still returns its log
+            f.write(line + "\n")
 
     cfgs = drafter_configs(target, s)
     files = planned_files(cfgs)
@@ -410,18 +416,23 @@ def run_factory(target, out_dir: str, s: FactorySettings, *, banned: frozenset[s
     prompts = collect_prompts(target, s, budget, log, banned)
     data = generate_data(target, prompts, s, budget, log)
     drafters, train_stats = train_drafters(target, cfgs, data, s, budget, log)
-    held = heldout_acceptance(target, drafters, data, s)
-    for kind, h in held.items():
-        log(f"held-out c* {kind}: T=1 {h.get('t1')}, T=0 {h.get('t0')}")
     metrics = {
         "settings": dataclasses.asdict(s), "backend": jax.default_backend(), "target": target.source,
         "data": {"prompts": len(prompts), "eval_prompts_banned": len(banned), "sequences": len(data["sequences"]),
                  "response_tokens": data["response_tokens"], "seconds": round(data["seconds"], 1),
                  "tokens_per_s": round(data["response_tokens"] / max(data["seconds"], 1e-9), 1),
                  "greedy": int(np.sum(data["greedy"])), "heldout": int(np.sum(data["heldout"]))},
-        "train": train_stats, "heldout_acceptance": held,
+        "train": train_stats, "heldout_acceptance": None,
         "elapsed_s": round(time.monotonic() - budget.start, 1),
     }
+    # The trained drafters go out before the held-out evaluation, so a run cut off there still returns them
+    # (metrics.json then says "heldout_acceptance": null); the files are rewritten whole at the end.
+    log(f"writing {out_dir} (drafters; held-out acceptance to follow)")
+    write_outputs(out_dir, drafters, metrics, lines)
+    held = heldout_acceptance(target, drafters, data, s)
+    for kind, h in held.items():
+        log(f"held-out c* {kind}: T=1 {h.get('t1')}, T=0 {h.get('t0')}")
+    metrics = {**metrics, "heldout_acceptance": held, "elapsed_s": round(time.monotonic() - budget.start, 1)}
     log(f"writing {out_dir}")
     write_outputs(out_dir, drafters, metrics, lines)
     return metrics
