@@ -84,7 +84,7 @@ def join_parts(parts: list[str], dest: str, sha256: str | None = None) -> str:
 class FactorySettings:
     """One factory run (static numbers only; the target comes separately)."""
 
-    minutes: float = 9.0  # the whole run, loading excluded; phases get the shares below
+    minutes: float = 9.0  # the whole run from run_factory's `start` (the script: before the target loads)
     prompt_share: float = 0.12
     data_share: float = 0.33
     train_share: float = 0.45  # the rest: held-out evaluation and writing the files
