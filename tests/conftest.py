@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 # The suite compiles a few hundred small XLA:CPU programs and runs each a few times, so LLVM's optimisation
 # passes are most of its time: tests compile with them off (about a third faster; what a test checks —
@@ -205,6 +206,7 @@ def load_script(name: str):
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 

@@ -404,9 +404,6 @@ def _char_tokenizer(path, vocab: int):
 
 
 def test_reproduce_table1_runs_end_to_end_on_a_tiny_model(ds, hf_target, tmp_path, capsys):
-    import importlib.util
-    import pathlib
-
     tdir = tmp_path / "target"
     hf_target.save_pretrained(tdir)
     _char_tokenizer(tdir, hf_target.config.vocab_size)
@@ -417,10 +414,9 @@ def test_reproduce_table1_runs_end_to_end_on_a_tiny_model(ds, hf_target, tmp_pat
         with open(data / f"{name}.jsonl", "w") as f:
             for i in range(3):
                 f.write(json.dumps({"turns": [f"{name} question {i}: what is {i} + {i}?", "second turn"]}) + "\n")
-    path = pathlib.Path(__file__).parents[1] / "scripts" / "reproduce_table1.py"
-    spec = importlib.util.spec_from_file_location("reproduce_table1", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from conftest import load_script
+
+    script = load_script("reproduce_table1")
     out = tmp_path / "tau.json"
     rc = script.main(["--target", str(tdir), "--drafter", ddir, "--data-dir", str(data), "--limit", "2",
                       "--max-new-tokens", "12", "--dtype", "float32", "--paper-row", "Qwen3-8B/dspark",

@@ -9,13 +9,12 @@ the real SmolLM2 weights (marked slow here); `help` runs each command's entry po
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+from conftest import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("dspark_jax", "serve", "train", "pallas_kernels")
@@ -25,15 +24,7 @@ ROUNDS = r"session[ _-]?[0-9]|(this|next|last|each) session|across sessions"  # 
 DOCS = ("docs/architecture.md", "docs/serving.md", "docs/training.md", "docs/kernels.md", "docs/benchmarks.md")
 
 
-def _load_check_docs():
-    spec = importlib.util.spec_from_file_location("check_docs", os.path.join(ROOT, "scripts", "check_docs.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-check_docs = _load_check_docs()
+check_docs = load_script("check_docs")
 
 
 def _read(path: str) -> str:

@@ -465,18 +465,13 @@ def test_fuzz_tiny_real_engine(tmp_path):
     target (two batch slots, no drafter: its compile time would take this test past two minutes on 2 CPUs;
     the script itself fuzzes the real server with its drafter): no 5xx, every response as documented, pages free
     and the reference greedy outputs unchanged afterwards."""
-    import importlib.util
-    import pathlib
 
-    from conftest import make_hf_model, target_from_hf
+    from conftest import load_script, make_hf_model, target_from_hf
     from test_engine import _word_tokenizer
 
     from serve.startup import create_engine
 
-    path = pathlib.Path(__file__).parents[1] / "scripts" / "fuzz_api.py"
-    spec = importlib.util.spec_from_file_location("fuzz_api", path)
-    fuzz_api = sys.modules["fuzz_api"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
-    spec.loader.exec_module(fuzz_api)
+    fuzz_api = load_script("fuzz_api")
 
     target = target_from_hf(make_hf_model("llama", tied=True), tmp_path)
     engine = create_engine(target_obj=target, drafter=None, scheduler="none", max_batch=2, max_model_len=64,
