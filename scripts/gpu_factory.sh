@@ -11,8 +11,8 @@
 #   scripts/gpu_factory.sh stage 1      # carry factory_in/<name>.part1
 #   scripts/gpu_factory.sh run [ARGS]   # carry the last part, <name>.parts.json, eval_prompts.json.gz and .whl
 # `run` joins the parts (sha256 checked), runs `drafter_factory.py run` into $OUT (≤ 8 flat files: weight parts,
-# metrics.json, factory.log; the drafters are written before the held-out evaluation and the log as it goes, so
-# a run cut short still returns what it made) with --minutes 7.5 --kinds dspark eagle3 unless ARGS say otherwise (later flags win),
+# metrics.json, factory.log; drafters go out before the held-out evaluation, the log as it goes, so a run cut
+# short still returns what it made) with --minutes 7.5 --kinds dspark eagle3 unless ARGS say otherwise (later win),
 # all under a `timeout` that leaves the call's 600 s limit room. Back here: `drafter_factory.py assemble`.
 #   scripts/gpu_factory.sh run --smoke  # the same on this CPU with tiny settings: a rehearsal of the script
 set -uo pipefail
