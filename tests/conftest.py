@@ -209,4 +209,3 @@ def load_script(name: str):
     sys.modules[name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
-

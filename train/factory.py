@@ -341,26 +341,29 @@ def heldout_acceptance(target, drafters: dict, data: dict, s: FactorySettings, b
     return out
 
 
-def write_outputs(out_dir: str, drafters: dict, metrics: dict, log_lines: list[str]) -> list[str]:
-    """The flat files: byte parts of each drafter's bf16 model.safetensors, metrics.json (with configs and part
-    checksums), factory.log. Checks the count and sizes; returns the file names."""
+def write_drafters(out_dir: str, drafters: dict) -> dict:
+    """Each drafter's bf16 model.safetensors as byte parts in `out_dir`; returns metrics.json's "drafters" entry
+    ({kind: {"config", "weights" (part names and checksum), "params"}})."""
     import tempfile
 
     from dspark_jax.drafter import CONFIG_FILE, WEIGHTS_FILE
 
     os.makedirs(out_dir, exist_ok=True)
-    metrics = {**metrics, "drafters": {}}
+    out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind, d in drafters.items():
             d.save(os.path.join(tmp, kind), dtype="bfloat16")
             parts = split_file(os.path.join(tmp, kind, WEIGHTS_FILE), out_dir, name=f"{kind}.{WEIGHTS_FILE}")
             with open(os.path.join(tmp, kind, CONFIG_FILE)) as f:
-                metrics["drafters"][kind] = {"config": json.load(f), "weights": parts,
-                                             "params": int(d.num_params())}
+                out[kind] = {"config": json.load(f), "weights": parts, "params": int(d.num_params())}
+    return out
+
+
+def write_metrics(out_dir: str, metrics: dict) -> list[str]:
+    """metrics.json (which names the weight parts `write_drafters` wrote); then checks that `out_dir` holds at most
+    MAX_FILES flat files of ≤ MAX_FILE_BYTES. Returns the file names."""
     with open(os.path.join(out_dir, METRICS_FILE), "w") as f:
         json.dump(metrics, f, indent=1)
-    with open(os.path.join(out_dir, LOG_FILE), "w") as f:
-        f.write("".join(line + "\n" for line in log_lines))
     files = sorted(os.listdir(out_dir))
     big = [(n, os.path.getsize(os.path.join(out_dir, n))) for n in files
            if os.path.getsize(os.path.join(out_dir, n)) > MAX_FILE_BYTES]
@@ -395,15 +398,12 @@ def run_factory(target, out_dir: str, s: FactorySettings, *, banned: frozenset[s
     (default: now). `banned`: the normalised evaluation prompts no Magpie query may equal. Returns the metrics
     written to metrics.json."""
     budget = Budget(s, start)
-    lines: list[str] = []
-
     os.makedirs(out_dir, exist_ok=True)
     log_path = os.path.join(out_dir, LOG_FILE)
     open(log_path, "w").close()
 
     def log(msg: str) -> None:
         line = f"[{time.monotonic() - budget.start:7.1f} s] {msg}"
-        lines.append(line)
         say(line)
         with open(log_path, "a") as f:  # as it goes: a run cut off by the device's limit still returns its log
             f.write(line + "\n")
@@ -426,13 +426,14 @@ def run_factory(target, out_dir: str, s: FactorySettings, *, banned: frozenset[s
         "elapsed_s": round(time.monotonic() - budget.start, 1),
     }
     # The trained drafters go out before the held-out evaluation, so a run cut off there still returns them
-    # (metrics.json then says "heldout_acceptance": null); the files are rewritten whole at the end.
+    # (metrics.json then says "heldout_acceptance": null); only metrics.json is rewritten at the end.
     log(f"writing {out_dir} (drafters; held-out acceptance to follow)")
-    write_outputs(out_dir, drafters, metrics, lines)
+    metrics["drafters"] = write_drafters(out_dir, drafters)
+    write_metrics(out_dir, metrics)
     held = heldout_acceptance(target, drafters, data, s)
     for kind, h in held.items():
         log(f"held-out c* {kind}: T=1 {h.get('t1')}, T=0 {h.get('t0')}")
     metrics = {**metrics, "heldout_acceptance": held, "elapsed_s": round(time.monotonic() - budget.start, 1)}
-    log(f"writing {out_dir}")
-    write_outputs(out_dir, drafters, metrics, lines)
+    log(f"writing {out_dir}/{METRICS_FILE}")
+    write_metrics(out_dir, metrics)
     return metrics
