@@ -193,3 +193,55 @@ def test_fit_with_a_reduced_vocabulary_and_separate_features_resumes(tiny, tmp_p
     loaded = dspark_jax.load_drafter(str(tmp_path / "b" / "drafter"), tiny)
     assert loaded.config.draft_vocab == tuple(ids)
     assert loaded.module().markov_w2[...].shape == (4, 40)
+
+
+def test_init_from_moves_a_drafter_to_another_vocabulary(tiny, tmp_path):
+    """`drafter.init_from` (train/fit.py's init_from_params): the backbone is the source's; the Markov head
+    follows the tokens, so a token of both vocabularies gets the same draft logit after a previous token the
+    two read alike, a token new to the subset its backbone logit alone (zero W2 column); any other config
+    difference is refused."""
+    import dataclasses
+
+    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafter_model import DrafterModel
+    from train.fit import _to_state, init_from_params
+
+    src = _drafter(tiny, "dspark")
+    src.save(str(tmp_path / "src"))
+    src = dspark_jax.load_drafter(str(tmp_path / "src"), tiny, dtype=jnp.float32)  # the saved (rounded) weights
+    a, head = set(SUBSET), TargetHead.from_params(tiny.params, True)
+    tokens, _, anchors = _batch(seed=5)
+    # Previous tokens that both vocabularies read alike: in both, or outside both (each side's shared row).
+    alike = np.array([t for t in range(3, 128) if (t in a) == (t % 2 == 0)])
+    tokens = jnp.asarray(np.random.default_rng(5).choice(alike, size=tokens.shape), jnp.int32)
+    _, _, feats = tiny.forward(tokens, tiny.init_cache(*tokens.shape), hidden_layers=src.config.target_layers)
+    n = anchors.reshape(-1)
+    prev = jnp.take_along_axis(jnp.repeat(tokens, anchors.shape[1], axis=0), n[:, None] + jnp.arange(4)[None], axis=1)
+
+    def logits(d):
+        model = d.module()
+        return np.asarray(_dspark_logits_from_hidden(model, head, packed_block_hidden(model, head, tokens, feats,
+                                                                                      anchors), prev)[0])
+
+    want = logits(src)
+    for vocab in [tuple(sorted(set(range(0, 128, 2)))), ()]:  # another subset; the whole vocabulary
+        cfg = dataclasses.replace(src.config, draft_vocab=vocab, calibration=(), calibration_offsets=())
+        abstract = Drafter(cfg, nnx.eval_shape(lambda c=cfg: DrafterModel(c, rngs=nnx.Rngs(0))))
+        moved = abstract.with_params(_to_state(abstract, init_from_params(str(tmp_path / "src"),
+                                                                          nnx.to_pure_dict(abstract.params), cfg,
+                                                                          tiny)))
+        got = logits(moved)
+        ids = list(vocab or range(128))
+        for j, t in enumerate(ids):
+            if t in a:
+                np.testing.assert_allclose(got[..., j], want[..., sorted(a).index(t)], rtol=1e-5, atol=1e-5)
+        new = [j for j, t in enumerate(ids) if t not in a]
+        m = moved.module()
+        assert new and np.all(np.asarray(m.markov_w2[...])[:, new] == 0)
+        for name in ("fc", "mask_embed", "conf_w"):
+            np.testing.assert_array_equal(np.asarray(getattr(m, name)[...]),
+                                          np.asarray(getattr(src.module(), name)[...]))
+    other = dataclasses.replace(src.config, markov_rank=4, draft_vocab=())
+    abstract = nnx.to_pure_dict(Drafter(other, nnx.eval_shape(lambda: DrafterModel(other, rngs=nnx.Rngs(0)))).params)
+    with pytest.raises(ValueError, match="markov_rank"):
+        init_from_params(str(tmp_path / "src"), abstract, other, tiny)

@@ -60,6 +60,10 @@ class DrafterSection:
     draft_vocab_size: int = 0
     # Where the chosen ids are shared between runs compared with each other (read if present, else written).
     draft_vocab_file: str | None = None
+    # Start from a saved drafter (a directory or a shipped name) instead of random weights: fine-tuning, or
+    # moving a drafter to another draft vocabulary (the Markov head's rows follow the tokens; train/fit.py's
+    # `init_from_params`). Its config must be the run's up to the draft vocabulary and calibration.
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

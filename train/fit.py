@@ -136,7 +136,58 @@ def build(cfg: TrainConfig, target=None):
     drafter_cfg = drafter_config(cfg, target, RunPaths.of(cfg))
     drafter = Drafter(drafter_cfg,
                       nnx.eval_shape(lambda: DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
-    return target, drafter.with_params(_to_state(drafter, init_params(drafter_cfg, cfg.drafter.init_seed)))
+    params = (init_from_params(cfg.drafter.init_from, nnx.to_pure_dict(drafter.params), drafter_cfg, target)
+              if cfg.drafter.init_from else init_params(drafter_cfg, cfg.drafter.init_seed))
+    return target, drafter.with_params(_to_state(drafter, params))
+
+
+def init_from_params(source: str, abstract: dict, config, target) -> dict:
+    """The parameters of a saved drafter (`drafter.init_from`: a directory or a shipped name) as host float32
+    arrays shaped like `abstract`, for a run whose DrafterConfig `config` is the source's up to the draft
+    vocabulary and the calibration. Every parameter is the source's except the Markov head's, which follow the
+    tokens into the run's vocabulary: a token in both keeps its W1 row and W2 column; a token new to the run's
+    subset starts from the row the source read it with (its shared outside row) and a zero W2 column (no
+    bias, as an untrained head); the run's shared outside row is the source's, or with a full-vocabulary
+    source the mean row of the tokens left outside."""
+    from dspark_jax.drafter import load_drafter
+
+    src = load_drafter(source, target, dtype=jnp.float32)
+    loose = ("draft_vocab", "calibration", "calibration_offsets")
+    mine, theirs = config.to_dict(), src.config.to_dict()
+    diff = sorted(k for k in mine if k not in loose and mine[k] != theirs.get(k))
+    if diff:
+        raise ValueError(f"drafter.init_from {source!r} was trained with another drafter config (differs in "
+                         f"{diff}); only the draft vocabulary and the calibration may change")
+    flat = {_key(path): np.asarray(x, np.float32)
+            for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(src.params))}
+    if "markov_w1" in flat and src.config.draft_vocab != config.draft_vocab:
+        V = config.vocab_size
+        src_ids = np.asarray(src.config.draft_vocab or range(V))
+        dst_ids = np.asarray(config.draft_vocab or range(V))
+        src_index = np.full(V, -1)
+        src_index[src_ids] = np.arange(len(src_ids))
+        w1, w2 = flat["markov_w1"], flat["markov_w2"]
+        have = src_index[dst_ids] >= 0
+        new_w2 = np.zeros((w2.shape[0], len(dst_ids)), np.float32)
+        new_w2[:, have] = w2[:, src_index[dst_ids[have]]]
+        if src.config.draft_vocab:  # the source's shared row for every token outside its subset
+            outside_row = w1[len(src_ids)]
+        else:
+            outside = np.setdiff1d(np.arange(V), dst_ids)
+            outside_row = w1[outside].mean(0) if outside.size else np.zeros(w1.shape[1], np.float32)
+        rows = [np.where(have[:, None], w1[np.maximum(src_index[dst_ids], 0)], outside_row)]
+        if config.draft_vocab:
+            rows.append(outside_row[None])
+        flat["markov_w1"], flat["markov_w2"] = np.concatenate(rows).astype(np.float32), new_w2
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    out = []
+    for path, spec in leaves:
+        key = _key(path)
+        if key not in flat or flat[key].shape != tuple(spec.shape):
+            raise ValueError(f"drafter.init_from {source!r}: {key} is missing or shaped "
+                             f"{None if key not in flat else flat[key].shape}, the run needs {tuple(spec.shape)}")
+        out.append(flat[key])
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _host(metrics) -> dict:
@@ -250,6 +301,8 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
         print("train state per device: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in held.items()), flush=True)
     if carry is not None:
         params = place(carry_params(carry["drafter"], abstract, drafter_cfg), sh.params)
+    elif cfg.drafter.init_from:
+        params = place(init_from_params(cfg.drafter.init_from, abstract, drafter_cfg, target), sh.params)
     else:
         params = init_params(drafter_cfg, cfg.drafter.init_seed, sh.params)
     params, opt_state = jax.jit(lambda p: init_train_state(p, tx), out_shardings=(sh.params, sh.opt),
@@ -419,15 +472,14 @@ def carry_params(drafter_dir, abstract: dict, config) -> dict:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     out = []
     for path, spec in leaves:
-        key = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        key = _key(path)
         if key not in reader.tensors:
             raise ValueError(f"the carry in {drafter_dir} lacks {key}: was it written for another drafter config?")
         x = reader.read(key, [(0, n) for n in reader.shape(key)])
         if x.shape != spec.shape:
             raise ValueError(f"the carry's {key} has shape {x.shape}, this run's drafter needs {spec.shape}")
         out.append(np.asarray(x, spec.dtype))
-    extra = sorted(set(reader.tensors) - {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
-                                          for p, _ in leaves})
+    extra = sorted(set(reader.tensors) - {_key(p) for p, _ in leaves})
     if extra:
         raise ValueError(f"the carry in {drafter_dir} has parameters this run's drafter lacks: {extra[:3]}")
     carried = DrafterConfig.from_dict(json.loads((drafter_dir / "drafter_config.json").read_text()))
@@ -435,6 +487,11 @@ def carry_params(drafter_dir, abstract: dict, config) -> dict:
         diff = sorted(k for k, v in carried.to_dict().items() if config.to_dict().get(k) != v)
         raise ValueError(f"the carry in {drafter_dir} was written for another drafter config (differs in {diff})")
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _key(path) -> str:
+    """A pure-dict leaf's path as its safetensors name ("layers.0.attn.q")."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def _listing(directory, sizes: bool = True) -> list | None:
@@ -454,5 +511,5 @@ def _to_state(drafter, pure):
     return state
 
 
-__all__ = ["RunPaths", "build", "carry_params", "fit", "init_params", "loss_weights", "read_carry", "save_drafter",
-           "write_carry"]
+__all__ = ["RunPaths", "build", "carry_params", "fit", "init_from_params", "init_params", "loss_weights",
+           "read_carry", "save_drafter", "write_carry"]
