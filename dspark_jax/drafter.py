@@ -243,7 +243,7 @@ class Drafter:
         path = os.path.abspath(path)
         os.makedirs(path, exist_ok=True)
         tensors = {}
-        for key, x in _flat_params(self.params).items():
+        for key, x in flat_params(self.params).items():
             x = jax.device_get(x)
             if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
                 x = x.astype(dtype)
@@ -257,12 +257,15 @@ class Drafter:
         os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
 
 
-def _flat_params(params) -> dict:
+def param_key(path) -> str:
+    """A pure-dict leaf's tree path as its dotted module path, the name it has in model.safetensors
+    ("layers.0.attn.q")."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def flat_params(params) -> dict:
     """{"layers.0.attn.q": array, ...}: a drafter's parameters keyed by their dotted module path."""
-    flat = {}
-    for keys, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]:
-        flat[".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)] = x
-    return flat
+    return {param_key(keys): x for keys, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
 
 
 def init_drafter(target, kind: str = "dspark", seed: int = 0, block_size: int = 7, *, dtype=None,
@@ -342,7 +345,7 @@ def _read_safetensors(file: str, abstract_params) -> dict:
     on one device (a drafter trained on any mesh loads anywhere)."""
     from safetensors import SafetensorError, safe_open
 
-    want = _flat_params(abstract_params)
+    want = flat_params(abstract_params)
     one = jax.devices()[0]
     try:
         with safe_open(file, framework="flax") as f:
@@ -362,7 +365,7 @@ def _read_safetensors(file: str, abstract_params) -> dict:
         raise ValueError(f"corrupt drafter checkpoint {file}: {e}") from None
     pure = nnx.to_pure_dict(abstract_params)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(pure)
-    keys = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in leaves_with_path]
+    keys = [param_key(p) for p, _ in leaves_with_path]
     return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys])
 
 

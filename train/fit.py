@@ -149,7 +149,7 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     subset starts from the row the source read it with (its shared outside row) and a zero W2 column (no
     bias, as an untrained head); the run's shared outside row is the source's, or with a full-vocabulary
     source the mean row of the tokens left outside."""
-    from dspark_jax.drafter import load_drafter
+    from dspark_jax.drafter import flat_params, load_drafter, param_key
 
     src = load_drafter(source, target, dtype=jnp.float32)
     loose = ("draft_vocab", "calibration", "calibration_offsets")
@@ -158,8 +158,7 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     if diff:
         raise ValueError(f"drafter.init_from {source!r} was trained with another drafter config (differs in "
                          f"{diff}); only the draft vocabulary and the calibration may change")
-    flat = {_key(path): np.asarray(x, np.float32)
-            for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(src.params))}
+    flat = {k: np.asarray(x, np.float32) for k, x in flat_params(src.params).items()}
     if "markov_w1" in flat and src.config.draft_vocab != config.draft_vocab:
         V = config.vocab_size
         src_ids = np.asarray(src.config.draft_vocab or range(V))
@@ -182,7 +181,7 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     out = []
     for path, spec in leaves:
-        key = _key(path)
+        key = param_key(path)
         if key not in flat or flat[key].shape != tuple(spec.shape):
             raise ValueError(f"drafter.init_from {source!r}: {key} is missing or shaped "
                              f"{None if key not in flat else flat[key].shape}, the run needs {tuple(spec.shape)}")
@@ -464,6 +463,7 @@ def carry_params(drafter_dir, abstract: dict, config) -> dict:
     """The carried parameters as host arrays shaped like `abstract` (the run's drafter: a pure dict of
     ShapeDtypeStructs, float32) read from the carry's safetensors on this host, never through one device.
     `config` (the run's DrafterConfig) must be the carry's."""
+    from dspark_jax.drafter import param_key
     from dspark_jax.drafter_config import DrafterConfig
     from dspark_jax.weights import SafetensorsSlices
 
@@ -472,14 +472,14 @@ def carry_params(drafter_dir, abstract: dict, config) -> dict:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     out = []
     for path, spec in leaves:
-        key = _key(path)
+        key = param_key(path)
         if key not in reader.tensors:
             raise ValueError(f"the carry in {drafter_dir} lacks {key}: was it written for another drafter config?")
         x = reader.read(key, [(0, n) for n in reader.shape(key)])
         if x.shape != spec.shape:
             raise ValueError(f"the carry's {key} has shape {x.shape}, this run's drafter needs {spec.shape}")
         out.append(np.asarray(x, spec.dtype))
-    extra = sorted(set(reader.tensors) - {_key(p) for p, _ in leaves})
+    extra = sorted(set(reader.tensors) - {param_key(p) for p, _ in leaves})
     if extra:
         raise ValueError(f"the carry in {drafter_dir} has parameters this run's drafter lacks: {extra[:3]}")
     carried = DrafterConfig.from_dict(json.loads((drafter_dir / "drafter_config.json").read_text()))
@@ -487,11 +487,6 @@ def carry_params(drafter_dir, abstract: dict, config) -> dict:
         diff = sorted(k for k, v in carried.to_dict().items() if config.to_dict().get(k) != v)
         raise ValueError(f"the carry in {drafter_dir} was written for another drafter config (differs in {diff})")
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _key(path) -> str:
-    """A pure-dict leaf's path as its safetensors name ("layers.0.attn.q")."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def _listing(directory, sizes: bool = True) -> list | None:
