@@ -67,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ("gen_tokens", "stop generating after this many response tokens"), ("gen_batch", "decode slots"),
         ("max_new_tokens", "response cap"), ("seq_len", "training window T"),
         ("batch_sequences", "sequences per training batch"), ("anchors_per_seq", "anchors per sequence"),
-        ("train_steps", "schedule length (the clock may stop training sooner)"),
+        ("train_steps", "the most training steps (the schedule spans what the train phase's time holds at "
+                        "the pace of the first steps)"),
         ("dspark_layers", "DSpark layers"), ("dflash_layers", "DFlash layers"), ("markov_rank", "DSpark rank R"),
         ("max_query_tokens", "Magpie query cap"), ("max_prompt_tokens", "longer chat-templated prompts left out"),
         ("block_size", "draft block L"), ("seed", "everything seeded"),

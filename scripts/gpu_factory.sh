@@ -42,8 +42,8 @@ case "${1:-}" in
         SMOKE=()
         if [ "${1:-}" = "--smoke" ]; then
             shift
-            SMOKE=(--minutes 2 --gen-batch 16 --gen-tokens 800 --magpie 8 --docstrings 24 --max-new-tokens 24
-                   --max-query-tokens 32 --seq-len 128 --batch-sequences 2 --anchors-per-seq 4 --train-steps 4)
+            SMOKE=(--minutes 2.5 --gen-batch 16 --gen-tokens 800 --magpie 8 --docstrings 24 --max-new-tokens 24
+                   --max-query-tokens 32 --seq-len 128 --batch-sequences 2 --anchors-per-seq 4 --train-steps 40)
         fi
         if ls .whl/*.whl >/dev/null 2>&1; then
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

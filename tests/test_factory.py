@@ -150,6 +150,45 @@ def test_budget_takes_an_overrun_from_later_phases(monkeypatch):
     assert b.deadline("train") == pytest.approx(800)
 
 
+def test_schedule_is_fitted_to_the_time_left():
+    # 10 s left at 0.1 s a step: 95 more (5% margin) after the 11 done; never past the cap, never below done
+    assert factory.fitted_steps(11, 0.1, 10.0, cap=20_000) == 11 + 95
+    assert factory.fitted_steps(11, 0.001, 100.0, cap=2_000) == 2_000
+    assert factory.fitted_steps(11, 0.1, -3.0, cap=2_000) == 11
+    assert factory.fitted_steps(11, 0.1, 10.0, cap=5) == 11
+
+
+def test_settable_learning_rate_follows_the_schedule_without_recompiling():
+    """The factory's optimizer takes each step's rate from the host: the updates equal make_optimizer's at the same
+    schedule, and setting the rate keeps the jitted step's signature (one compile)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from train.distill import make_optimizer, make_settable_optimizer, schedule_values, set_learning_rate
+
+    steps, params = 12, {"w": jnp.arange(6.0).reshape(2, 3)}
+    lrs = schedule_values(3e-2, steps)
+    ref_tx, tx = make_optimizer(3e-2, steps), make_settable_optimizer()
+    traces = []
+
+    @jax.jit
+    def update(tx_state, p, g):
+        traces.append(1)
+        u, tx_state = tx.update(g, tx_state, p)
+        return jax.tree.map(jnp.add, p, u), tx_state
+
+    ref_p, ref_s, p, st = params, ref_tx.init(params), params, tx.init(params)
+    for i in range(steps):
+        g = {"w": jnp.sin(ref_p["w"] * (i + 1))}
+        u, ref_s = ref_tx.update(g, ref_s, ref_p)
+        ref_p = jax.tree.map(jnp.add, ref_p, u)
+        p, st = update(set_learning_rate(st, lrs[i]), p, {"w": jnp.sin(p["w"] * (i + 1))})
+    assert lrs[0] == 0 and lrs.max() == np.float32(3e-2)
+    np.testing.assert_allclose(p["w"], ref_p["w"], rtol=1e-6, atol=1e-7)
+    assert len(traces) == 1
+
+
 def test_gpu_factory_script_stages_parts_and_refuses_a_missing_one(tmp_path):
     """scripts/gpu_factory.sh: `stage N` copies the carried part N to the stage folder; `run` stops before any
     work when a part is neither carried nor staged (a stage run whose machine lapsed)."""

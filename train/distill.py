@@ -38,6 +38,39 @@ from dspark_jax.model import Decoder, concat_saved, hidden_slots, scan_layers
 from train.losses import LossWeights, drafter_loss
 
 
+def learning_rate_schedule(lr: float, steps: int, warmup: int | None = None,
+                           end_lr_ratio: float = 0.1) -> optax.Schedule:
+    """The training schedule: linear warm-up from 0 over `warmup` steps (default a tenth of `steps`), then cosine
+    decay to lr·end_lr_ratio at `steps`."""
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * end_lr_ratio)
+
+
+def schedule_values(lr: float, steps: int, **kwargs) -> np.ndarray:
+    """`learning_rate_schedule`'s values at steps 0 … steps − 1, float32 [steps], computed on the host's CPU (a
+    loop that sets each step's rate must not wait on an accelerator for it)."""
+    sched = learning_rate_schedule(lr, steps, **kwargs)
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return np.asarray(jax.vmap(sched)(jnp.arange(steps)), np.float32)
+
+
+def make_settable_optimizer(clip: float = 1.0, weight_decay: float = 0.01) -> optax.GradientTransformation:
+    """`make_optimizer`'s AdamW after clipping, with the learning rate held in the state and set by the caller
+    before each step (`set_learning_rate`): for a run whose length is decided while it runs (train/factory.py
+    sizes its schedule to the clock after timing its first steps), without recompiling the step."""
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=weight_decay))
+
+
+def set_learning_rate(opt_state, lr):
+    """A `make_settable_optimizer` state with learning rate `lr` (same dtype and shape: the jitted step sees the
+    same signature and does not recompile)."""
+    clip_state, adamw = opt_state
+    old = adamw.hyperparams["learning_rate"]
+    return clip_state, adamw._replace(hyperparams={**adamw.hyperparams,
+                                                   "learning_rate": jnp.asarray(lr, old.dtype).reshape(old.shape)})
+
+
 def make_optimizer(lr: float, steps: int, warmup: int | None = None, clip: float = 1.0,
                    weight_decay: float = 0.01, end_lr_ratio: float = 0.1, *,
                    step_offset: int = 0) -> optax.GradientTransformation:
@@ -47,7 +80,7 @@ def make_optimizer(lr: float, steps: int, warmup: int | None = None, clip: float
     learning rate is the schedule's at step_offset + count, times a linear re-warm-up over `warmup` steps while
     the new moments settle (their count starts at 0, so Adam's bias correction stays right)."""
     warmup = max(1, steps // 10) if warmup is None else warmup
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * end_lr_ratio)
+    sched = learning_rate_schedule(lr, steps, warmup, end_lr_ratio)
     if step_offset:
         base = sched
 
@@ -87,9 +120,11 @@ def init_train_state(params, tx: optax.GradientTransformation):
     return params, tx.init(params)
 
 
+@functools.partial(jax.jit, static_argnames=("batch_size", "anchors_per_seq"))
 def make_batch(key, tokens, lengths, min_anchor, batch_size: int, anchors_per_seq: int | None = None) -> dict:
     """Rows drawn with replacement, one anchor each — {tokens [B, T], lengths [B], anchors [B]} — or, with
-    `anchors_per_seq` A, A anchors each (anchors [B, A])."""
+    `anchors_per_seq` A, A anchors each (anchors [B, A]). One compiled program: pass the data as device arrays
+    (`jax.device_put` once before the loop), or every call uploads all of it again."""
     k_rows, k_anchor = jax.random.split(key)
     rows = jax.random.randint(k_rows, (batch_size,), 0, tokens.shape[0])
     lengths, min_anchor = jnp.asarray(lengths)[rows], jnp.asarray(min_anchor)[rows]
@@ -202,6 +237,7 @@ def train_drafter(target, drafter: Drafter, sequences, *, steps: int, batch_size
     min_anchor = np.zeros_like(lengths)
     if prompt_lengths is not None:
         min_anchor = np.asarray(prompt_lengths, np.int32) - 1
+    tokens, lengths, min_anchor = jax.device_put((tokens, lengths, min_anchor))  # once, not per step
     tx = make_optimizer(lr, steps)
     step_fn = make_train_step(target, drafter, tx, weights)
     params, opt_state = init_train_state(drafter.params, tx)  # a copy: the step donates its input buffers

@@ -107,7 +107,7 @@ class FactorySettings:
     seq_len: int = 512  # T of a training window
     batch_sequences: int = 64  # S
     anchors_per_seq: int = 16  # A
-    train_steps: int = 2000  # the schedule's length; the train deadline may stop it sooner
+    train_steps: int = 20_000  # at most; the schedule spans what the train phase's clock holds (fitted_steps)
     lr: float = 1e-3
     seed: int = 0
     # The slot decoder's attention. "reference" (XLA's) by default: the Pallas kernel ("auto" on GPU) is measured
@@ -268,13 +268,33 @@ def shared_features_fn(target, layers: tuple[int, ...]):
                                                                   layers))
 
 
+PACE_STEPS = 10  # steps timed after the first (compiling) one, to size the schedule to the train phase's clock
+
+
+def fitted_steps(done: int, seconds_per_step: float, seconds_left: float, cap: int, margin: float = 0.95) -> int:
+    """The schedule's length once the pace is known: the steps done plus those `margin` of the time left holds at
+    `seconds_per_step`, at most `cap` and at least `done`."""
+    more = int(margin * max(seconds_left, 0.0) / max(seconds_per_step, 1e-9))
+    return max(done, min(cap, done + more))
+
+
 def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: Budget, log) -> tuple[dict, dict]:
-    """Trains every drafter on the same batches until train_steps or the train deadline → ({kind: Drafter},
-    stats). The lr schedule spans train_steps (warm-up, cosine to 0.1·lr); a run cut short by the clock ends
-    wherever its schedule stood (the stats say so)."""
+    """Trains every drafter on the same batches until the train deadline → ({kind: Drafter}, stats).
+
+    The lr schedule (warm-up, cosine to 0.1·lr) spans the steps the train phase's time holds: the first step
+    compiles, the next PACE_STEPS are timed, and the schedule's length becomes `fitted_steps` (at most
+    `train_steps`), so a fast device trains longer and a slow one still ends its schedule inside the clock. The
+    rate is set before each step (`make_settable_optimizer`), so resizing the schedule recompiles nothing; the
+    deadline still stops a run whose pace changed (the stats say so)."""
     from dspark_jax.drafter import Drafter
     from dspark_jax.drafter_model import DrafterModel
-    from train.distill import init_train_state, make_optimizer, make_train_step
+    from train.distill import (
+        init_train_state,
+        make_settable_optimizer,
+        make_train_step,
+        schedule_values,
+        set_learning_rate,
+    )
 
     train = ~data["heldout"]
     tokens, lengths, min_anchor = windows([q for q, t in zip(data["sequences"], train, strict=True) if t],
@@ -282,9 +302,11 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
                                           s.seq_len)
     if not len(tokens):
         raise ValueError("no training sequence: generation produced nothing usable in its time")
+    n_windows = len(tokens)
+    tokens, lengths, min_anchor = jax.device_put((tokens, lengths, min_anchor))  # once: batches are drawn on device
     layers = next(iter(cfgs.values())).target_layers
     features = shared_features_fn(target, layers)
-    tx = make_optimizer(s.lr, s.train_steps)
+    tx = make_settable_optimizer()
     drafters, states, steps = {}, {}, {}
     for kind, cfg in cfgs.items():
         d = Drafter(cfg, DrafterModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(s.seed)))
@@ -293,28 +315,42 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
         steps[kind] = make_train_step(target, d, tx)
     key = jax.random.key(s.seed + 2)
     history: dict[str, list] = {k: [] for k in cfgs}
+    total = s.train_steps  # the schedule's length until the pace is measured
+    lrs = schedule_values(s.lr, total)
+    pace = None
     t0, done, deadline = time.perf_counter(), 0, budget.deadline("train")
-    for i in range(s.train_steps):
-        if Budget.left(deadline) <= 0:
-            break
+    while done < total and Budget.left(deadline) > 0:
+        i = done
         batch = make_batch(jax.random.fold_in(key, i), tokens, lengths, min_anchor, s)
         batch["hidden"], batch["feats"] = features(target.params, batch["tokens"])
         for kind in cfgs:
-            params, opt, metrics = steps[kind](*states[kind], batch)
+            params, opt, metrics = steps[kind](states[kind][0], set_learning_rate(states[kind][1], lrs[i]), batch)
             states[kind] = (params, opt)
-            if i % 50 == 0 or i == s.train_steps - 1:
+            if i % 50 == 0 or i == total - 1:
                 m = jax.device_get(metrics)
-                history[kind].append({"step": i + 1, "loss": round(float(m["loss"]), 4),
+                history[kind].append({"step": i + 1, "lr": float(lrs[i]), "loss": round(float(m["loss"]), 4),
                                       "acceptance": [round(float(x), 4) for x in m["acceptance"]]})
         done = i + 1
+        if done == 1 or (pace is None and done == 1 + PACE_STEPS):
+            jax.block_until_ready(states)
+            if done == 1:
+                t_first = time.perf_counter()
+                log(f"train: first step (compiles) in {t_first - t0:.1f} s")
+            else:
+                pace = (time.perf_counter() - t_first) / PACE_STEPS
+                total = fitted_steps(done, pace, Budget.left(deadline), s.train_steps)
+                lrs = schedule_values(s.lr, total)
+                log(f"train: {pace * 1e3:.1f} ms a step; the schedule spans {total} steps "
+                    f"(at most {s.train_steps}; {Budget.left(deadline):.0f} s left)")
         if i % 50 == 0:
             log(f"train step {done}: " + ", ".join(f"{k} loss {h[-1]['loss']:.3f}" for k, h in history.items()))
     jax.block_until_ready(states)
     dt = time.perf_counter() - t0
-    log(f"train: {done}/{s.train_steps} steps in {dt:.1f} s on {len(tokens)} windows")
+    log(f"train: {done}/{total} steps in {dt:.1f} s on {n_windows} windows")
     trained = {k: drafters[k].with_params(states[k][0]) for k in cfgs}
-    return trained, {"steps": done, "planned_steps": s.train_steps, "seconds": round(dt, 1),
-                     "cut_by_clock": done < s.train_steps, "windows": int(len(tokens)),
+    return trained, {"steps": done, "planned_steps": total, "max_steps": s.train_steps, "seconds": round(dt, 1),
+                     "seconds_per_step": None if pace is None else round(pace, 5),
+                     "cut_by_clock": done < total, "windows": int(n_windows),
                      "anchor_blocks": done * s.batch_sequences * s.anchors_per_seq, "history": history}
 
 
