@@ -179,20 +179,41 @@ def _logprob_outputs(logits, tokens, want, rows=None):
 def _logprobs_if(want, make_logits, tokens, vocab: int):
     """(logprob of each of `tokens` [..], top ids [.., k], top logprobs [.., k]) under the logits [.., V] that
     `make_logits()` builds inside the taken branch (so what it costs is paid only when `want`), else zeros."""
-    shape = tokens.shape
+    k = min(NUM_TOP_LOGPROBS, vocab)
+    return jax.lax.cond(want, lambda: _logprobs_of(make_logits(), tokens, k), lambda: _no_logprobs(tokens.shape, k))
+
+
+def _logprobs_of(logits, tokens, k: int):
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.clip(tokens, 0, lp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def _no_logprobs(shape, k: int):
+    return (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (k,), jnp.int32), jnp.zeros(shape + (k,), jnp.float32))
+
+
+PROMPT_LOGPROB_ROWS = 512  # prompt logprobs build the target's logits this many rows at a time
+
+
+def _prompt_logprobs_if(want, head, h, tokens, vocab: int):
+    """`_logprobs_if` for a pass's C flat rows, tokens [C] scored under head(h) [C, V], with the logits built
+    PROMPT_LOGPROB_ROWS rows at a time (`lax.map`). XLA reserves the buffers of a `cond` branch whether or not it
+    runs, so building all C rows at once would cost every prefill pass C·V floats, asked for or not: ~100 GB for
+    a data-generation pass of 2,048 prompts × 256 tokens (train/regenerate.py) under a 49k vocabulary."""
+    C = h.shape[0]
+    n = min(PROMPT_LOGPROB_ROWS, C)
+    pad = -C % n
+    blocks_h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, n, h.shape[-1])
+    blocks_t = jnp.pad(tokens, (0, pad)).reshape(-1, n)
     k = min(NUM_TOP_LOGPROBS, vocab)
 
     def compute():
-        lp = jax.nn.log_softmax(make_logits().astype(jnp.float32), axis=-1)
-        chosen = jnp.take_along_axis(lp, jnp.clip(tokens, 0, lp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-        top_lp, top_ids = jax.lax.top_k(lp, k)
-        return chosen, top_ids.astype(jnp.int32), top_lp
+        chosen, ids, lps = jax.lax.map(lambda b: _logprobs_of(head(b[0]), b[1], k), (blocks_h, blocks_t))
+        return chosen.reshape(-1)[:C], ids.reshape(-1, k)[:C], lps.reshape(-1, k)[:C]
 
-    def skip():
-        return (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (k,), jnp.int32),
-                jnp.zeros(shape + (k,), jnp.float32))
-
-    return jax.lax.cond(want, compute, skip)
+    return jax.lax.cond(want, compute, lambda: _no_logprobs(tokens.shape, k))
 
 
 class Static:
@@ -273,7 +294,7 @@ def prefill_program(target_params, drafter_params, target_kv, drafter_kv, chunk:
     temperature = jnp.where(chunk.counts > 0, chunk.temperature, 0.0)
     tok = sample(keys, filter_probs(logits, temperature, chunk.top_k, chunk.top_p), all_greedy(temperature))
     lp = _logprob_outputs(logits, tok, chunk.want_logprobs)
-    prompt_lp = _logprobs_if(chunk.want_prompt_logprobs, lambda: target.head(h), chunk.next_tokens, logits.shape[-1])
+    prompt_lp = _prompt_logprobs_if(chunk.want_prompt_logprobs, target.head, h, chunk.next_tokens, logits.shape[-1])
     return target_kv, drafter_kv, tok, lp, prompt_lp
 
 

@@ -90,3 +90,35 @@ def test_prompt_logprobs_equal_the_targets_log_softmax(tiny):
     finally:
         engine.stop()
 
+
+
+def test_prompt_logprobs_are_built_a_block_of_rows_at_a_time(monkeypatch):
+    """A prefill pass's prompt logprobs equal those of the whole [C, V] logits at once, built a block of rows at a
+    time; compiled, the pass reserves one block's logits, not C rows' (a `cond` branch's buffers are reserved
+    whether it runs or not, and most passes do not ask)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax import runner
+
+    rng = np.random.default_rng(0)
+    C, D, V = 37, 16, 300
+    w = jnp.asarray(rng.normal(size=(D, V)), jnp.float32)
+
+    def head(x):
+        return x @ w
+
+    h = jnp.asarray(rng.normal(size=(C, D)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, V, C), jnp.int32)
+    want = runner._logprobs_if(True, lambda: head(h), tokens, V)
+    monkeypatch.setattr(runner, "PROMPT_LOGPROB_ROWS", 8)  # 37 rows: 5 blocks, the last one padded
+    got = runner._prompt_logprobs_if(True, head, h, tokens, V)
+    for g, e in zip(got, want, strict=True):
+        assert g.shape == e.shape
+        np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
+    assert all(not np.asarray(x).any() for x in runner._prompt_logprobs_if(False, head, h, tokens, V))
+
+    big = 4096
+    fn = jax.jit(lambda flag, x, t: runner._prompt_logprobs_if(flag, head, x, t, V))
+    mem = fn.lower(False, jnp.zeros((big, D)), jnp.zeros(big, jnp.int32)).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < big * V * 4 / 2, mem.temp_size_in_bytes  # [C, V] f32 would be 4.9 MB

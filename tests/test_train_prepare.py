@@ -63,6 +63,24 @@ def test_sampled_slots_equal_generate_row_for_row(tiny):
     assert stats["prefills"] > 1 and stats["traces"]["step"] == 1
 
 
+def test_a_refill_over_the_prefill_token_cap_is_split_over_passes(tiny):
+    """A refill of more prompt tokens than `prefill_tokens` runs as several smaller packed passes (a decode step
+    between them) and samples exactly what one pass would: row i of `generate` at the same seed."""
+    from train.regenerate import SlotDecoder
+
+    prompts = _prompts(9, seed=4)
+    want = dspark_jax.generate(tiny, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=7).tokens
+    s = SlotSettings(batch=8, capacity=64, max_new_tokens=8, temperature=1.0, top_p=1.0, prefill_tokens=64)
+    dec = SlotDecoder(tiny, s, seed=7)
+    assert dec.row_buckets() == (1, 2, 4, 8)
+    assert [dec.rows_that_fit(q) for q in (8, 32, 64, 128)] == [8, 2, 1, 1]  # the smallest bucket when none fits
+    got, stats = {}, {}
+    generate_slots(tiny, list(enumerate(prompts)), settings=s, seed=7, eos_ids=tiny.eos_token_ids,
+                   on_done=got.__setitem__, stats=stats, decoder=dec)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert stats["prefills"] >= len(prompts) / 2  # ≤ 2 prompts (of ≤ 32 tokens) a pass, ≤ 1 of 33–64
+
+
 def _fake_prompts(split, domain, n, seed=0):
     return [f"{domain} prompt number {i} " + "x" * (i % 7) for i in range(n)]
 

@@ -6,7 +6,8 @@ its key scheme. What this module adds is the slot loop a data run needs:
     is (round r+1 is dispatched from round r's device outputs before round r is read back);
   * when a row stops, the next prompts are prefilled into the free slots once at least `refill_fraction`·B are
     free, packed into one pass (`ModelRunner.prefill_many`) bucketed to B/8, B/4, B/2 or B requests and to a
-    prompt-length bucket, so prefill compiles a handful of shapes once;
+    prompt-length bucket, so prefill compiles a handful of shapes once; a refill larger than `prefill_tokens`
+    tokens is split over several passes (a decode step runs between them);
   * a row may be greedy (T = 0) while the others sample, so one run writes T = 1 data with a T = 0 share;
   * prompt i's stream is the request key fold_in(key(seed), i) (dspark_jax/keys.py), so its response does not
     depend on which slot or batch it ran in (resuming is reproducible), and equals row i of
@@ -40,6 +41,9 @@ class SlotSettings:
     temperature: float
     top_p: float
     kernels: str = "auto"  # attention: Pallas kernel or jnp path (dspark_jax.kernels)
+    # Tokens one packed prefill pass may hold (row bucket × prompt bucket): a larger refill is split over several
+    # passes. A pass's activations grow with it, beside B slots' page pools that already hold most of the memory.
+    prefill_tokens: int = 65_536
 
 
 class SlotDecoder:
@@ -60,6 +64,12 @@ class SlotDecoder:
     def row_buckets(self) -> tuple[int, ...]:
         B = self.s.batch
         return tuple(sorted({max(1, B // 8), max(1, B // 4), max(1, B // 2), B}))
+
+    def rows_that_fit(self, q: int) -> int:
+        """The most prompts of ≤ q tokens one packed prefill pass takes: the largest row bucket whose pass holds
+        ≤ `prefill_tokens` tokens (the smallest bucket when none does)."""
+        buckets = self.row_buckets()
+        return max([b for b in buckets if b * q <= self.s.prefill_tokens], default=buckets[0])
 
     @property
     def traces(self) -> dict:
@@ -138,6 +148,8 @@ def generate_slots(target, prompts: Iterable[tuple[int, list[int]]], *, settings
                 inflight = None
                 free = np.flatnonzero(~live)
             take = min(len(free), len(pending))
+            q = round_up(max(len(p) for _, p in pending[:take]), PROMPT_BUCKET)
+            take = min(take, dec.rows_that_fit(q))  # fewer prompts can only lower q
             items, pending = pending[:take], pending[take:]
             rows = free[:take]
             ids = np.array([i for i, _ in items], np.int64)
