@@ -204,7 +204,7 @@ def generate_data(target, prompts, s: FactorySettings, budget: Budget, log) -> d
     Request k answers prompt k mod N in pass k div N (`responses_per_prompt` passes, each its own streams); a
     seeded share of the prompts is held out (all of a prompt's answers together), and a seeded share is answered
     greedily in the first pass (a greedy answer would repeat in later passes: those sample)."""
-    from train.regenerate import SlotSettings, generate_slots
+    from train.regenerate import SlotDecoder, SlotSettings, generate_slots
 
     n = len(prompts)
     if not n:
@@ -218,6 +218,7 @@ def generate_data(target, prompts, s: FactorySettings, budget: Budget, log) -> d
     done: dict[int, list[int]] = {}
     count = [0]
     t0, deadline = time.perf_counter(), budget.deadline("data")
+    decoder = SlotDecoder(target, settings, s.seed)
 
     def on_done(i, response):
         done[i] = response
@@ -228,15 +229,18 @@ def generate_data(target, prompts, s: FactorySettings, budget: Budget, log) -> d
     try:
         generate_slots(target, ((k, prompts[k % n][1]) for k in range(n * s.responses_per_prompt)),
                        settings=settings, seed=s.seed, eos_ids=target.eos_token_ids, on_done=on_done,
-                       greedy=lambda k: bool(greedy[k]))
+                       greedy=lambda k: bool(greedy[k]), decoder=decoder)
     except _Stop:
         pass
     dt = time.perf_counter() - t0
     keep = sorted(i for i, r in done.items() if len(r) >= 2)
-    log(f"data: {len(keep)} sequences, {count[0]} response tokens in {dt:.1f} s ({count[0] / dt:.0f} tokens/s)")
+    programs = decoder.traces  # each traced shape compiled once: on an accelerator, seconds of the phase each
+    log(f"data: {len(keep)} sequences, {count[0]} response tokens in {dt:.1f} s ({count[0] / dt:.0f} tokens/s; "
+        f"programs traced: {programs['prefill']} prefill, {programs['step']} step)")
     return {"sequences": [prompts[k % n][1] + done[k] for k in keep],
             "prompt_lens": [len(prompts[k % n][1]) for k in keep],
-            "greedy": greedy[keep], "heldout": heldout[keep], "response_tokens": count[0], "seconds": dt}
+            "greedy": greedy[keep], "heldout": heldout[keep], "response_tokens": count[0], "seconds": dt,
+            "programs": programs}
 
 
 def windows(sequences, prompt_lens, seq_len: int):
@@ -457,7 +461,8 @@ def run_factory(target, out_dir: str, s: FactorySettings, *, banned: frozenset[s
         "data": {"prompts": len(prompts), "eval_prompts_banned": len(banned), "sequences": len(data["sequences"]),
                  "response_tokens": data["response_tokens"], "seconds": round(data["seconds"], 1),
                  "tokens_per_s": round(data["response_tokens"] / max(data["seconds"], 1e-9), 1),
-                 "greedy": int(np.sum(data["greedy"])), "heldout": int(np.sum(data["heldout"]))},
+                 "greedy": int(np.sum(data["greedy"])), "heldout": int(np.sum(data["heldout"])),
+                 "programs_traced": data["programs"]},
         "train": train_stats, "heldout_acceptance": None,
         "elapsed_s": round(time.monotonic() - budget.start, 1),
     }
