@@ -47,10 +47,14 @@ def learning_rate_schedule(lr: float, steps: int, warmup: int | None = None,
 
 
 def schedule_values(lr: float, steps: int, **kwargs) -> np.ndarray:
-    """`learning_rate_schedule`'s values at steps 0 … steps − 1, float32 [steps], computed on the host's CPU (a
-    loop that sets each step's rate must not wait on an accelerator for it)."""
+    """`learning_rate_schedule`'s values at steps 0 … steps − 1, float32 [steps], computed on the host's CPU where
+    jax has one (a loop that sets each step's rate must not queue behind an accelerator's steps for it)."""
     sched = learning_rate_schedule(lr, steps, **kwargs)
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    try:
+        device = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu: the default device
+        device = None
+    with jax.default_device(device):
         return np.asarray(jax.vmap(sched)(jnp.arange(steps)), np.float32)
 
 
