@@ -327,8 +327,9 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
         i = done
         batch = make_batch(jax.random.fold_in(key, i), tokens, lengths, min_anchor, s)
         batch["hidden"], batch["feats"] = features(target.params, batch["tokens"])
+        lr = jnp.asarray(lrs[i])  # one upload a step, shared by every drafter
         for kind in cfgs:
-            params, opt, metrics = steps[kind](states[kind][0], set_learning_rate(states[kind][1], lrs[i]), batch)
+            params, opt, metrics = steps[kind](states[kind][0], set_learning_rate(states[kind][1], lr), batch)
             states[kind] = (params, opt)
             if i % 50 == 0 or i == total - 1:
                 m = jax.device_get(metrics)
