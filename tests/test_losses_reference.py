@@ -47,10 +47,10 @@ def _hf_logits(hf, tokens):
 
 
 def reference_loss(hf, naive: NaiveDrafter, tokens, lengths, anchors, weights: LossWeights):
-    """The loop: rows (s, n) for n in anchors[s]; returns (loss, {ce, tv, conf, acceptance [L], top1})."""
+    """The loop: rows (s, n) for n in anchors[s]; returns (loss, {ce, tv, conf, kl, acceptance [L], top1})."""
     cfg = naive.cfg
     L = cfg.block_size
-    w_all, ce_all, tv_all, bce_all, c_star, top1, valid_all = [], [], [], [], [], [], []
+    w_all, ce_all, tv_all, bce_all, kl_all, c_star, top1, valid_all = [], [], [], [], [], [], [], []
     for s in range(tokens.shape[0]):
         seq = [int(t) for t in tokens[s, : lengths[s]]]
         feats = hf_features(hf, seq, cfg.target_layers)
@@ -64,12 +64,14 @@ def reference_loss(hf, naive: NaiveDrafter, tokens, lengths, anchors, weights: L
                 w_all.append(np.exp(-k / L) * valid)
                 if not valid:
                     ce_all.append(0.0), tv_all.append(0.0), bce_all.append(0.0), c_star.append(0.0), top1.append(0)
+                    kl_all.append(0.0)
                     continue
                 p_d = softmax(logits[k])
                 truth = seq[n + 1 + k]
                 tv = np.abs(p_d - p_target[n + k]).sum()
                 cs = min(max(1.0 - 0.5 * tv, 0.0), 1.0)
                 ce_all.append(-np.log(p_d[truth]))
+                kl_all.append(-(p_target[n + k] * np.log(p_d)).sum())  # soft cross-entropy against p_t
                 tv_all.append(tv)
                 c_star.append(cs)
                 top1.append(int(np.argmax(p_d) == truth))
@@ -85,6 +87,9 @@ def reference_loss(hf, naive: NaiveDrafter, tokens, lengths, anchors, weights: L
     if cfg.confidence:
         out["conf"] = mean(bce_all)
         loss += weights.conf * out["conf"]
+    if weights.kl:
+        out["kl"] = mean(kl_all)
+        loss += weights.kl * out["kl"]
     valid = np.array(valid_all).reshape(-1, L)
     per_pos = lambda x: (np.array(x).reshape(-1, L) * valid).sum(0) / np.maximum(valid.sum(0), 1)  # noqa: E731
     out["acceptance"] = per_pos(c_star)
@@ -107,10 +112,12 @@ def _batch():
 CASES = [("qwen3", "dspark", LossWeights()),  # the paper's α (0.1, 0.9, 1.0)
          ("llama", "dspark", LossWeights(ce=0.7, tv=0.2, conf=0.5)),  # tied head
          ("qwen3", "dflash", LossWeights(ce=0.4, tv=0.6, conf=0.0)),
-         ("qwen3", "eagle3", LossWeights(ce=0.4, tv=0.6, conf=0.0))]
+         ("qwen3", "eagle3", LossWeights(ce=0.4, tv=0.6, conf=0.0)),
+         ("llama", "dspark", LossWeights(ce=0.1, tv=0.9, conf=1.0, kl=0.5)),  # + soft cross-entropy
+         ("qwen3", "eagle3", LossWeights(ce=0.0, tv=0.0, conf=0.0, kl=1.0))]  # DeepSpec's EAGLE-3 loss
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}" + ("-kl" if c[2].kl else ""))
 def test_drafter_loss_equals_the_paper_loop(sharp_targets, case):
     model_type, kind, weights = case
     hf, target = sharp_targets[model_type]
@@ -126,7 +133,7 @@ def test_drafter_loss_equals_the_paper_loop(sharp_targets, case):
                                  hidden, feats, weights)
     naive = NaiveDrafter(flat_params(d), d.config, head.embed, head.lm_head)
     ref_loss, ref = reference_loss(hf, naive, tokens, lengths, anchors, weights)
-    for name in ("ce", "tv", "conf"):
+    for name in ("ce", "tv", "conf", "kl"):
         assert (name in metrics) == (name in ref), name
         if name in ref:
             np.testing.assert_allclose(float(metrics[name]), ref[name], rtol=1e-4, err_msg=name)

@@ -69,7 +69,7 @@ def test_position_decay_gamma():
     # optim.loss keys replace the kind's recipe one by one.
     cfg = load_config(None, ["optim.loss={gamma: 4}"])
     assert loss_weights(cfg, "dspark") == LossWeights(ce=0.1, tv=0.9, conf=1.0, gamma=4.0)
-    assert loss_weights(cfg, "eagle3") == LossWeights(ce=1.0, tv=0.0, conf=0.0, gamma=4.0)
+    assert loss_weights(cfg, "eagle3") == LossWeights(ce=0.0, tv=0.0, conf=0.0, kl=1.0, gamma=4.0)
     assert loss_weights(load_config(None, []), "dflash") == LossWeights.for_kind("dflash")
     with pytest.raises(ValueError, match="unknown keys"):
         load_config(None, ["optim.loss={decay: 4}"])

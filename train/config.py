@@ -88,9 +88,9 @@ class OptimSection:
     end_lr_ratio: float = 0.1
     clip: float = 1.0
     weight_decay: float = 0.01
-    # Loss weights (eq. 12) and position decay: keys of train.losses.LossWeights (ce, tv, conf, gamma), each
-    # replacing the drafter kind's recipe (DSpark 0.1/0.9/1.0; DFlash, EAGLE-3 plain CE; γ = block size), e.g.
-    # {gamma: 4} for DeepSpec's decay. None = the recipe.
+    # Loss weights (eq. 12) and position decay: keys of train.losses.LossWeights (ce, tv, conf, kl, gamma), each
+    # replacing the drafter kind's recipe (DSpark 0.1/0.9/1.0; DFlash plain CE; EAGLE-3 soft CE, kl 1;
+    # γ = block size), e.g. {gamma: 4} for DeepSpec's decay. None = the recipe.
     loss: dict | None = None
 
     def __post_init__(self):

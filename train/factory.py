@@ -299,6 +299,7 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
         schedule_values,
         set_learning_rate,
     )
+    from train.losses import LossWeights
 
     train = ~data["heldout"]
     tokens, lengths, min_anchor = windows([q for q, t in zip(data["sequences"], train, strict=True) if t],
@@ -356,7 +357,8 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
     return trained, {"steps": done, "planned_steps": total, "max_steps": s.train_steps, "seconds": round(dt, 1),
                      "seconds_per_step": None if pace is None else round(pace, 5),
                      "cut_by_clock": done < total, "windows": int(n_windows),
-                     "anchor_blocks": done * s.batch_sequences * s.anchors_per_seq, "history": history}
+                     "anchor_blocks": done * s.batch_sequences * s.anchors_per_seq,
+                     "loss_weights": {k: dataclasses.asdict(LossWeights.for_kind(k)) for k in cfgs}, "history": history}
 
 
 def heldout_acceptance(target, drafters: dict, data: dict, s: FactorySettings, batches: int = 4) -> dict:

@@ -118,7 +118,7 @@ def drafter_config(cfg: TrainConfig, target, paths: RunPaths):
 
 
 def loss_weights(cfg: TrainConfig, kind: str) -> LossWeights:
-    """The drafter kind's loss recipe with `optim.loss`'s keys (ce, tv, conf, gamma) replaced."""
+    """The drafter kind's loss recipe with `optim.loss`'s keys (ce, tv, conf, kl, gamma) replaced."""
     return dataclasses.replace(LossWeights.for_kind(kind), **(cfg.optim.loss or {}))
 
 

@@ -22,9 +22,12 @@ averaged over the weighted, valid slots of the batch:
   L_ce   = −log p_d,k(x*_k)                                   (eq. 9)
   L_tv   = ‖p_d,k − p_t,k‖₁                                    (eq. 10)
   L_conf = BCE(c_k, c*_k), c*_k = 1 − ½‖p_d,k − p_t,k‖₁ (no gradient through the label)   (eq. 11, eq. 8)
-  L      = α_ce L_ce + α_tv L_tv + α_conf L_conf                (eq. 12)
+  L_kl   = −Σ_v p_t,k(v) log p_d,k(v), soft cross-entropy: KL(p_t ‖ p_d) + the target's entropy (DeepSpec's
+           EAGLE-3 loss; not in eq. 12, whose α_kl is 0)
+  L      = α_ce L_ce + α_tv L_tv + α_conf L_conf + α_kl L_kl    (eq. 12)
 DSpark's sequential head is teacher-forced: the previous token is x*_{n+k} (x*_n = the anchor).
 EAGLE-3 is unrolled L steps with teacher-forced tokens and its own features (training-time test).
+Each kind's default weights (`LossWeights.for_kind`) are DeepSpec's: DSpark eq. 12, DFlash α_ce = 1, EAGLE-3 α_kl = 1.
 """
 
 from __future__ import annotations
@@ -43,17 +46,22 @@ from dspark_jax.layers import apply_rope, rope_inv_freq
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossWeights:
-    """α_ce, α_tv, α_conf of eq. 12 (hashable: static under jit)."""
+    """α_ce, α_tv, α_conf of eq. 12, and α_kl of a soft cross-entropy against the target's distribution
+    (hashable: static under jit)."""
 
     ce: float = 0.1
     tv: float = 0.9
     conf: float = 1.0
+    kl: float = 0.0
     gamma: float | None = None  # position decay w_k = exp(−(k−1)/γ); None: γ = L (DeepSpec's recipes: 4)
 
     @classmethod
     def for_kind(cls, kind: str) -> LossWeights:
-        """The paper's defaults for DSpark; plain CE for DFlash and EAGLE-3 (their own recipes)."""
-        return cls() if kind == "dspark" else cls(ce=1.0, tv=0.0, conf=0.0)
+        """Each kind's own recipe, as DeepSpec trains it: the paper's α for DSpark, CE on the sequence's tokens
+        for DFlash, soft cross-entropy against the target's distribution for EAGLE-3."""
+        if kind == "dspark":
+            return cls()
+        return cls(ce=0.0, tv=0.0, conf=0.0, kl=1.0) if kind == "eagle3" else cls(ce=1.0, tv=0.0, conf=0.0)
 
 
 def position_weights(L: int, gamma: float | None = None) -> jax.Array:
@@ -282,6 +290,10 @@ def drafter_loss(model: DrafterModel, head: TargetHead, tokens, lengths, anchors
     loss_ce, loss_tv = wmean(jnp.where(in_vocab, ce, 0.0), w * in_vocab), wmean(tv)
     loss = weights.ce * loss_ce + weights.tv * loss_tv
     metrics = {"ce": loss_ce, "tv": loss_tv}
+    if weights.kl:  # p_t restricted to a reduced vocabulary sums to its mass there: the rest cannot be matched
+        loss_kl = wmean(-(p_t * logp_d).sum(-1))
+        loss = loss + weights.kl * loss_kl
+        metrics["kl"] = loss_kl
     if conf_logit is not None:
         loss_conf = wmean(optax.sigmoid_binary_cross_entropy(conf_logit, c_star))
         loss = loss + weights.conf * loss_conf
