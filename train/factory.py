@@ -312,12 +312,13 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
     layers = next(iter(cfgs.values())).target_layers
     features = shared_features_fn(target, layers)
     tx = make_settable_optimizer()
+    weights = {kind: LossWeights.for_kind(kind) for kind in cfgs}  # what each step trains on, and metrics.json says
     drafters, states, steps = {}, {}, {}
     for kind, cfg in cfgs.items():
         d = Drafter(cfg, DrafterModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(s.seed)))
         drafters[kind] = d
         states[kind] = init_train_state(d.params, tx)
-        steps[kind] = make_train_step(target, d, tx)
+        steps[kind] = make_train_step(target, d, tx, weights[kind])
     key = jax.random.key(s.seed + 2)
     history: dict[str, list] = {k: [] for k in cfgs}
     total = s.train_steps  # the schedule's length until the pace is measured
@@ -358,7 +359,7 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
                      "seconds_per_step": None if pace is None else round(pace, 5),
                      "cut_by_clock": done < total, "windows": int(n_windows),
                      "anchor_blocks": done * s.batch_sequences * s.anchors_per_seq,
-                     "loss_weights": {k: dataclasses.asdict(LossWeights.for_kind(k)) for k in cfgs}, "history": history}
+                     "loss_weights": {k: dataclasses.asdict(w) for k, w in weights.items()}, "history": history}
 
 
 def heldout_acceptance(target, drafters: dict, data: dict, s: FactorySettings, batches: int = 4) -> dict:
