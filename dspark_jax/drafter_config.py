@@ -24,6 +24,7 @@ from dspark_jax.config import ModelConfig, RopeConfig
 KINDS = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "gated", "rnn", "none")
 EAGLE_LAYERS = ("fused", "concat")
+ANCHOR_MODES = ("add", "residual", "fused")
 
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
@@ -73,6 +74,10 @@ class DrafterConfig:
     # dspark/dflash: the anchor slot's input also carries the last context feature H_ctx[n−1] (through a D×D
     # projection that starts at zero), as EAGLE-3's input does, so position 1 need not find it by attention.
     anchor_feature: bool = False
+    # How H_ctx[n−1] = f joins the anchor's embedding e (with `anchor_feature`): "add" e + f·A (A zero at start),
+    # "residual" RMSNorm(e) + f + f·A (the slot's residual stream starts from f, as in EAGLE-3's concat layer),
+    # "fused" [RMSNorm(e); f]·A with A [2D, D] (EAGLE-3's fused input).
+    anchor_mode: str = "add"
     # Each target layer's features are RMS-normalised (a learned scale per layer, starting at 1) before `fc`:
     # SmolLM2's layer-1 states are ~60× smaller than layers 15 and 27, so `fc` otherwise sees mostly the latter.
     feature_norm: bool = False
@@ -103,6 +108,11 @@ class DrafterConfig:
             raise ValueError(f"eagle_layer={self.eagle_layer!r} applies to eagle3 only, got kind={self.kind!r}")
         if self.anchor_feature and self.kind == "eagle3":
             raise ValueError("anchor_feature applies to block drafters (dspark, dflash); eagle3 reads f_{n-1} already")
+        if self.anchor_mode not in ANCHOR_MODES:
+            raise ValueError(f"unknown anchor_mode {self.anchor_mode!r}; choose one of {', '.join(ANCHOR_MODES)}")
+        if self.anchor_mode != "add" and not self.anchor_feature:
+            raise ValueError(f"anchor_mode={self.anchor_mode!r} says how H_ctx[n-1] joins the anchor slot: it needs "
+                             "anchor_feature=True")
         if self.rnn_bias and self.head != "rnn":
             raise ValueError(f"rnn_bias needs head='rnn', got head={self.head!r}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:

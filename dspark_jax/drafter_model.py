@@ -170,8 +170,12 @@ class DrafterModel(nnx.Module):
             self.embed_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         elif cfg.kind != "eagle3":
             self.mask_embed = nnx.Param(init(rngs.params(), (D,), dtype))
-            if cfg.anchor_feature:  # H_ctx[n−1] @ anchor_fc joins the anchor's embedding; zero: the plain block
+            if cfg.anchor_feature and cfg.anchor_mode == "fused":  # [RMSNorm(e); H_ctx[n−1]] @ anchor_fc
+                self.anchor_fc = nnx.Param(init(rngs.params(), (2 * D, D), dtype))
+            elif cfg.anchor_feature:  # H_ctx[n−1] @ anchor_fc joins the anchor's embedding (zero at the start)
                 self.anchor_fc = nnx.Param(jnp.zeros((D, D), dtype))
+            if cfg.anchor_feature and cfg.anchor_mode != "add":  # e at H_ctx's scale (SmolLM2's rows: rms ~0.13)
+                self.anchor_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         if cfg.head != "none":
             # Markov embedding: a row per token (per subset token + one shared row with a reduced vocabulary).
             rows = draft_vocab.size(cfg) + 1 if draft_vocab.is_reduced(cfg) else V
@@ -292,13 +296,20 @@ class DrafterModel(nnx.Module):
             n_in - 1, emb.shape[-1]))], -2), start[..., None] + jnp.arange(n_in, dtype=jnp.int32))
 
     def anchor_input(self, head: TargetHead, anchor: jax.Array, last_feature=None) -> jax.Array:
-        """The anchor slot's input [..., D]: its token's embedding (+ H_ctx[n−1] @ anchor_fc, `anchor_feature`)."""
+        """The anchor slot's input [..., D]: its token's embedding e, joined with f = H_ctx[n−1] when
+        `anchor_feature` as `anchor_mode` says (add: e + f·A; residual: RMSNorm(e) + f + f·A; fused:
+        [RMSNorm(e); f]·A)."""
         emb = jnp.take(head.embed, anchor, axis=0).astype(self.mask_embed[...].dtype)
         if not self.cfg.anchor_feature:
             return emb
         if last_feature is None:
             raise ValueError("anchor_feature needs the last context feature H_ctx[n-1]")
-        return emb + jnp.einsum("...D,DE->...E", last_feature.astype(emb.dtype), self.anchor_fc[...])
+        f = last_feature.astype(emb.dtype)
+        if self.cfg.anchor_mode == "fused":
+            return jnp.einsum("...E,ED->...D", jnp.concatenate([self.anchor_norm(emb), f], -1), self.anchor_fc[...])
+        if self.cfg.anchor_mode == "residual":
+            return self.anchor_norm(emb) + f + jnp.einsum("...D,DE->...E", f, self.anchor_fc[...])
+        return emb + jnp.einsum("...D,DE->...E", f, self.anchor_fc[...])
 
     def block_output(self, x: jax.Array) -> jax.Array:
         """Last layer's output [B, n_in, D] → h [B, L, D] (final-normed; dflash drops the anchor slot)."""

@@ -54,12 +54,12 @@ def test_poisoned_positions_beyond_the_context_cannot_leak():
     np.testing.assert_allclose(out, clean, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("anchor_feature", [False, True])
+@pytest.mark.parametrize("anchor_feature", [False, True, "residual", "fused"])
 def test_paged_block_pass_equals_the_dense_one(tmp_path, anchor_feature):
     """The engine's drafting pass over pages (context written flat into shuffled pages, then
     `drafter_block_hidden_paged`) equals `DrafterModel.block_hidden` over the prompt's dense cache (the path
     tests/test_train_anchors.py ties to training), rows of different lengths; with `anchor_feature` the anchor
-    slot reads H_ctx[n−1] from the entry pool, so an off-by-one there fails."""
+    slot reads H_ctx[n−1] from the entry pool, so an off-by-one there fails (a string: that `anchor_mode`)."""
     import jax
     from conftest import make_hf_model, target_from_hf
     from flax import nnx
@@ -69,8 +69,10 @@ def test_paged_block_pass_equals_the_dense_one(tmp_path, anchor_feature):
     from dspark_jax.paged import PagedKV, drafter_block_hidden_paged, drafter_write_flat
 
     target = target_from_hf(make_hf_model("llama", tied=True), tmp_path)
+    mode = anchor_feature if isinstance(anchor_feature, str) else "add"
+    anchor_feature = bool(anchor_feature)
     d = dspark_jax.init_drafter(target, kind="dspark", block_size=4, num_layers=2, seed=1, markov_rank=8,
-                                anchor_feature=anchor_feature)
+                                anchor_feature=anchor_feature, anchor_mode=mode)
     flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(d.params))
     key = jax.random.key(5)
     for i, (k, v) in enumerate(sorted(flat.items())):

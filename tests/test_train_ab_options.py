@@ -1,7 +1,8 @@
 """The training A/B switches, each off by default: per-layer RMSNorm of the target features before `fc`
 (`DrafterConfig.feature_norm`), DeepSpec's position decay γ (`optim.loss.gamma`), and a fourth target feature
-(the last layer, through `target_layers`). Oracles: a naive numpy projection, hand-computed weights, save/load
-round trips and greedy equality with target-only decoding."""
+(the last layer, through `target_layers`), and how H_ctx[n−1] joins the anchor slot (`anchor_mode`). Oracles: a
+naive numpy projection, hand-computed weights, save/load round trips and greedy equality with target-only
+decoding."""
 
 from __future__ import annotations
 
@@ -75,3 +76,44 @@ def test_position_decay_gamma():
         load_config(None, ["optim.loss={decay: 4}"])
     with pytest.raises(ValueError, match="gamma"):
         load_config(None, ["optim.loss={gamma: -1}"])
+
+
+@pytest.mark.parametrize("mode", ["add", "residual", "fused"])
+def test_anchor_mode_joins_the_last_feature_as_documented(target, mode):
+    cfg = DrafterConfig.for_target(target.config, kind="dspark", block_size=3, num_layers=1, markov_rank=8,
+                                   anchor_feature=True, anchor_mode=mode)
+    model = DrafterModel(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(5)
+    model.anchor_fc[...] = jnp.asarray(rng.normal(0, 0.1, model.anchor_fc.shape).astype(np.float32))
+    head = dspark_jax.drafter_model.TargetHead.from_params(target.params, True)
+    anchor = jnp.asarray([3, 17], jnp.int32)
+    f = rng.normal(size=(2, cfg.hidden_size)).astype(np.float32)
+    e = np.asarray(head.embed)[np.asarray(anchor)]
+    A = np.asarray(model.anchor_fc[...])
+    normed = e / np.sqrt((e.astype(np.float64) ** 2).mean(-1, keepdims=True) + cfg.rms_norm_eps)
+    if mode == "fused":
+        want = np.concatenate([normed, f], -1) @ A
+    else:
+        want = (normed + f if mode == "residual" else e) + f @ A
+    got = model.anchor_input(head, anchor, jnp.asarray(f))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["residual", "fused"])
+def test_anchor_mode_drafter_round_trips_and_stays_lossless(target, tmp_path, mode):
+    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=3, num_layers=1, markov_rank=8, seed=3,
+                                      anchor_feature=True, anchor_mode=mode)
+    drafter.save(str(tmp_path / "d"))
+    loaded = dspark_jax.load_drafter(str(tmp_path / "d"), target)
+    assert loaded.config.anchor_mode == mode
+    prompts = [[5, 9, 17, 3], [11, 4, 8, 30, 2, 7]]
+    ref = dspark_jax.generate(target, prompts, max_new_tokens=12, ignore_eos=True)
+    spec = dspark_jax.generate(target, prompts, loaded, max_new_tokens=12, ignore_eos=True)
+    assert spec.tokens == ref.tokens
+
+
+def test_anchor_mode_needs_the_anchor_feature(target):
+    with pytest.raises(ValueError, match="needs anchor_feature"):
+        DrafterConfig.for_target(target.config, kind="dspark", anchor_mode="fused")
+    with pytest.raises(ValueError, match="unknown anchor_mode"):
+        DrafterConfig.for_target(target.config, kind="dspark", anchor_feature=True, anchor_mode="sum")
