@@ -14,9 +14,16 @@ run() {
   echo "   $name rc=$? $(date -u +%T)"
 }
 O='num_layers: 2, markov_rank: 32, anchor_feature: true'
+E3='drafter.overrides={num_layers: 1, intermediate_size: 3328}'
 run residual --set "drafter.overrides={$O, anchor_mode: residual}"
-run fused --set "drafter.overrides={$O, anchor_mode: fused}"
-run eagle3-soft --set drafter.kind=eagle3 --set 'drafter.overrides={num_layers: 1, intermediate_size: 3328}' \
-  --set 'optim.loss={ce: 0.0, kl: 1.0}'
 run base
+run eagle3-soft --set drafter.kind=eagle3 --set "$E3" --set 'optim.loss={ce: 0.0, kl: 1.0}'
+# Not the input path? Then the count of position-1 examples a step: every window position an anchor (A = 256,
+# 4x), and EAGLE-3 without its training-time-test unroll (L = 1: one prediction per anchor, as DSpark's slot 1).
+run dspark-a256 --set data.anchors_per_seq=256
+run eagle3-soft-L1 --set drafter.kind=eagle3 --set "$E3" --set 'optim.loss={ce: 0.0, kl: 1.0}' \
+  --set drafter.block_size=1
+# Neither? Then the loss: DSpark trained on EAGLE-3's loss alone (soft cross-entropy; no TV, CE or confidence).
+run dspark-e3loss --set 'optim.loss={ce: 0.0, tv: 0.0, conf: 0.0, kl: 1.0}'
+run fused --set "drafter.overrides={$O, anchor_mode: fused}"
 echo "== all done $(date -u +%T)"
