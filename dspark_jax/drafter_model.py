@@ -170,12 +170,12 @@ class DrafterModel(nnx.Module):
             self.embed_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         elif cfg.kind != "eagle3":
             self.mask_embed = nnx.Param(init(rngs.params(), (D,), dtype))
-            if cfg.anchor_feature and cfg.anchor_mode == "fused":  # [RMSNorm(e); H_ctx[n−1]] @ anchor_fc
-                self.anchor_fc = nnx.Param(init(rngs.params(), (2 * D, D), dtype))
-            elif cfg.anchor_feature:  # H_ctx[n−1] @ anchor_fc joins the anchor's embedding (zero at the start)
-                self.anchor_fc = nnx.Param(jnp.zeros((D, D), dtype))
-            if cfg.anchor_feature and cfg.anchor_mode != "add":  # e at H_ctx's scale (SmolLM2's rows: rms ~0.13)
-                self.anchor_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+            if cfg.anchor_feature:  # H_ctx[n−1] joins the anchor's embedding (`anchor_input`)
+                # fused: [RMSNorm(e); H_ctx[n−1]] @ anchor_fc; add, residual: H_ctx[n−1] @ anchor_fc, zero at the start
+                self.anchor_fc = nnx.Param(init(rngs.params(), (2 * D, D), dtype) if cfg.anchor_mode == "fused"
+                                           else jnp.zeros((D, D), dtype))
+                if cfg.anchor_mode != "add":  # e at H_ctx's scale (SmolLM2's rows: rms ~0.13)
+                    self.anchor_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         if cfg.head != "none":
             # Markov embedding: a row per token (per subset token + one shared row with a reduced vocabulary).
             rows = draft_vocab.size(cfg) + 1 if draft_vocab.is_reduced(cfg) else V
@@ -307,9 +307,8 @@ class DrafterModel(nnx.Module):
         f = last_feature.astype(emb.dtype)
         if self.cfg.anchor_mode == "fused":
             return jnp.einsum("...E,ED->...D", jnp.concatenate([self.anchor_norm(emb), f], -1), self.anchor_fc[...])
-        if self.cfg.anchor_mode == "residual":
-            return self.anchor_norm(emb) + f + jnp.einsum("...D,DE->...E", f, self.anchor_fc[...])
-        return emb + jnp.einsum("...D,DE->...E", f, self.anchor_fc[...])
+        x = self.anchor_norm(emb) + f if self.cfg.anchor_mode == "residual" else emb
+        return x + jnp.einsum("...D,DE->...E", f, self.anchor_fc[...])
 
     def block_output(self, x: jax.Array) -> jax.Array:
         """Last layer's output [B, n_in, D] → h [B, L, D] (final-normed; dflash drops the anchor slot)."""
