@@ -402,6 +402,8 @@ def _exportable(cfg: DrafterConfig, target) -> None:
         why.append("DeepSpec's RNN head has a bias: train with rnn_bias=True")
     if cfg.anchor_feature:
         why.append("DeepSpec's block drafters feed the anchor slot its embedding alone: no anchor_feature")
+    if cfg.context_tokens:
+        why.append("DeepSpec's block drafters' context entries are the features alone: no context_tokens")
     if cfg.feature_norm:
         why.append("DeepSpec's fc reads the raw target features: no feature_norm")
     if why:

@@ -81,6 +81,16 @@ class DrafterConfig:
     # Each target layer's features are RMS-normalised (a learned scale per layer, starting at 1) before `fc`:
     # SmolLM2's layer-1 states are ~60× smaller than layers 15 and 27, so `fc` otherwise sees mostly the latter.
     feature_norm: bool = False
+    # dspark/dflash: context entry t also carries the token that followed it, H_ctx[t] + RMSNorm(e(x_{t+1}))·W
+    # (W zero at the start), as EAGLE-3's entry [e(x_{t+1}); f_t] does; the last entry n−1 pairs with the anchor,
+    # so it is made when the block is drafted (`DrafterModel.close_last_entry`).
+    context_tokens: bool = False
+
+    @property
+    def keeps_last_feature(self) -> bool:
+        """Whether drafting reads H_ctx[n−1] (EAGLE-3's first step, the anchor slot, the last context entry):
+        serving keeps every context feature in a pool (dspark_jax/paged.py)."""
+        return self.kind == "eagle3" or self.anchor_feature or self.context_tokens
 
     @property
     def anchor_slot_predicts(self) -> bool:
@@ -108,6 +118,9 @@ class DrafterConfig:
             raise ValueError(f"eagle_layer={self.eagle_layer!r} applies to eagle3 only, got kind={self.kind!r}")
         if self.anchor_feature and self.kind == "eagle3":
             raise ValueError("anchor_feature applies to block drafters (dspark, dflash); eagle3 reads f_{n-1} already")
+        if self.context_tokens and self.kind == "eagle3":
+            raise ValueError("context_tokens applies to block drafters (dspark, dflash); eagle3's entries pair "
+                             "f_t with x_{t+1} already")
         if self.anchor_mode not in ANCHOR_MODES:
             raise ValueError(f"unknown anchor_mode {self.anchor_mode!r}; choose one of {', '.join(ANCHOR_MODES)}")
         if self.anchor_mode != "add" and not self.anchor_feature:

@@ -176,6 +176,9 @@ class DrafterModel(nnx.Module):
                                            else jnp.zeros((D, D), dtype))
                 if cfg.anchor_mode != "add":  # e at H_ctx's scale (SmolLM2's rows: rms ~0.13)
                     self.anchor_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+            if cfg.context_tokens:  # entry t = H_ctx[t] + RMSNorm(e(x_{t+1}))·W, W zero at the start
+                self.context_token_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+                self.context_token_fc = nnx.Param(jnp.zeros((D, D), dtype))
         if cfg.head != "none":
             # Markov embedding: a row per token (per subset token + one shared row with a reduced vocabulary).
             rows = draft_vocab.size(cfg) + 1 if draft_vocab.is_reduced(cfg) else V
@@ -231,38 +234,63 @@ class DrafterModel(nnx.Module):
                       next_tokens=None, last_feature=None) -> DrafterCache:
         """Writes context entries for target features feats [B, T, m·D] at positions [B, T].
 
-        dspark/dflash: `feats` are raw target features [B, T, m·D]; entry = RMSNorm(fc(feats)).
+        dspark/dflash: `feats` are raw target features [B, T, m·D]; entry = RMSNorm(fc(feats)) (`context_entry`
+        adds the embedding of `next_tokens` [B, T] with `context_tokens`).
         eagle3: `feats` are already fused features [B, T, D] (`project_features`), and entry t pairs
         `next_tokens` [B, T] with them (EAGLE-3's [embedding(x_{t+1}); f_t]).
         """
-        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
         if self.cfg.kind == "eagle3":
             x = self.eagle_input(head, next_tokens, feats)
-            h = [x if self.concat else self.layers[0].attn_norm(x)]
+            h = x if self.concat else self.layers[0].attn_norm(x)
         else:
-            h = [self.project_features(feats)] * len(self.layers)
+            h = self.context_entry(head, next_tokens, self.project_features(feats))
+        return self._write_entries(cache, h, positions, new_lengths,
+                                   cache.last_feature if last_feature is None else last_feature)
+
+    def _write_entries(self, cache: DrafterCache, h, positions, new_lengths, last_feature) -> DrafterCache:
+        """Context entries h [B, T, D] (every layer's K/V input) written at positions [B, T]."""
+        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(h[i], positions, inv_freq)
+            k, v = layer.context_kv(h, positions, inv_freq)
             ks.append(write_kv(cache.k[i], k, positions))
             vs.append(write_kv(cache.v[i], v, positions))
         return DrafterCache(k=tuple(ks), v=tuple(vs), lengths=new_lengths.astype(jnp.int32),
-                            last_feature=cache.last_feature if last_feature is None else last_feature)
+                            last_feature=last_feature)
+
+    def context_entry(self, head: TargetHead, next_tokens, h) -> jax.Array:
+        """dspark/dflash context entries from H_ctx = h [..., D]: h itself, or with `context_tokens`
+        h + RMSNorm(e(next_tokens))·W, entry t paired with the token x_{t+1} that followed it."""
+        if not self.cfg.context_tokens:
+            return h
+        if next_tokens is None:
+            raise ValueError("context_tokens needs the token after each context entry")
+        e = self.context_token_norm(jnp.take(head.embed, next_tokens, axis=0).astype(h.dtype))
+        return h + jnp.einsum("...D,DE->...E", e, self.context_token_fc[...])
+
+    def close_last_entry(self, cache: DrafterCache, head: TargetHead, anchor) -> DrafterCache:
+        """With `context_tokens`, entry n−1 pairs H_ctx[n−1] (`cache.last_feature`) with the anchor x_n [B],
+        known only once it is sampled: the block pass writes it before it reads the context."""
+        if not self.cfg.context_tokens:
+            return cache
+        h = self.context_entry(head, anchor[:, None], cache.last_feature[:, None])
+        return self._write_entries(cache, h, jnp.maximum(cache.lengths - 1, 0)[:, None], cache.lengths,
+                                   cache.last_feature)
 
     def write_prompt(self, cache: DrafterCache, head: TargetHead, tokens, feats, committed) -> DrafterCache:
         """Context from a whole sequence: tokens [B, T] and their target features [B, T, m·D] at positions 0..T−1,
         of which the first `committed` [B] count (prefill: the prompt lengths; training: the anchors n)."""
         B, T = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], 1)
         if self.cfg.kind != "eagle3":
             last = None
-            if self.cfg.anchor_feature:  # H_ctx[n−1], read by the next block's anchor slot
+            if self.cfg.keeps_last_feature:  # H_ctx[n−1]: the anchor slot's, the last entry's
                 last = self.project_features(feats[jnp.arange(B), committed - 1][:, None])[:, 0]
-            return self.write_context(cache, head, feats, positions, committed,
+            return self.write_context(cache, head, feats, positions, committed, next_tokens=next_tokens,
                                       last_feature=None if last is None else last.astype(cache.last_feature.dtype))
         # EAGLE-3 entry t pairs f_t with x_{t+1}: entries 0..n−2 count, f_{n−1} waits for the anchor x_n.
         fused = self.project_features(feats)
-        next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], 1)
         return self.write_context(cache, head, fused, positions, committed - 1, next_tokens=next_tokens,
                                   last_feature=fused[jnp.arange(B), committed - 1])
 
@@ -273,6 +301,7 @@ class DrafterModel(nnx.Module):
         Returns h [B, L, D] (final-normed): dspark reads slots 0..L−1 (anchor + L−1 masks); dflash feeds
         anchor + L masks and reads the L mask slots (or, with `anchor_predicts`, the dspark layout).
         """
+        cache = self.close_last_entry(cache, head, anchor)
         x, positions = self.block_inputs(head, anchor, start, cache.last_feature)
         B, n_in = positions.shape
         S = cache.k[0].shape[2]

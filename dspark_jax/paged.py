@@ -17,7 +17,9 @@ batch slots. Attention goes through dspark_jax.kernels (Pallas kernel on GPU/TPU
 The drafter's injected context (KV injection) is paged the same way, in its own pool, under the same block
 tables: context entry p of a request is written at the same (page, offset) as the target's position p. EAGLE-3's
 entry p is [embedding(x_{p+1}); f_p] (so entries 0..n−2 exist at n committed tokens), and its fused features f_p
-are kept in the feature pool, where the next pass and the first draft step read f_{n−1} (`eagle_write_flat`).
+are kept in the feature pool, where the next pass and the first draft step read f_{n−1} (`closing_write_flat`).
+A block drafter with `context_tokens` pairs its entries the same way (f_p + RMSNorm(embedding(x_{p+1}))·W); its
+block pass makes entry n−1 from the pool's f_{n−1} and the anchor.
 """
 
 from __future__ import annotations
@@ -313,12 +315,13 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
     their pages.
 
     dspark / dflash: entry p = RMSNorm(fc(feats_p)) → K/V of every drafter layer at position p (and into the
-    feature pool with `anchor_feature`). eagle3 (`eagle_write_flat`) also needs the tokens [T], which rows are
-    each request's first of the pass (`first` [T]) and the target's embedding `embed` [V, D].
+    feature pool with `anchor_feature`). Entries that pair with the next token (eagle3, `context_tokens`) are
+    closed one token late (`closing_write_flat`), which also needs the tokens [T], which rows are each
+    request's first of the pass (`first` [T]) and the target's embedding `embed` [V, D].
 
     feats [T, m·D]: the target features of the flat tokens."""
-    if model.cfg.kind == "eagle3":
-        return eagle_write_flat(model, kv, embed, feats, tokens, slot, pos, valid, first, block_tables)
+    if model.cfg.kind == "eagle3" or model.cfg.context_tokens:
+        return closing_write_flat(model, kv, embed, feats, tokens, slot, pos, valid, first, block_tables)
     page, offset = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
     h = model.project_features(feats[None])  # [1, T, D]
     inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
@@ -330,16 +333,18 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
     return PagedKV(k=k_pool, v=v_pool, feat=feat)
 
 
-def eagle_write_flat(model: DrafterModel, kv: PagedKV, embed, feats, tokens, slot, pos, valid, first,
-                     block_tables) -> PagedKV:
-    """EAGLE-3's context for the flat tokens of a pass (DrafterModel.write_prompt / write_context, paged).
+def closing_write_flat(model: DrafterModel, kv: PagedKV, embed, feats, tokens, slot, pos, valid, first,
+                       block_tables) -> PagedKV:
+    """Context entries that pair a feature with the next token, for the flat tokens of a pass
+    (DrafterModel.write_prompt / write_context, paged): EAGLE-3's entry p is [embedding(x_{p+1}); f_p], a
+    block drafter's with `context_tokens` f_p + RMSNorm(embedding(x_{p+1}))·W (`DrafterModel.context_entry`).
 
-    Entry p pairs the fused feature f_p with the next token x_{p+1}: [embedding(x_{p+1}); f_p]. Token t (x at
-    pos[t]) therefore closes entry pos[t]−1, whose feature is the previous flat token's (same request) or, for
-    a request's first token of the pass (`first`), f_{pos−1} read back from the feature pool, where every pass
-    stores its tokens' fused features f_p at p. So after a pass over positions n..n+ℓ with m accepted, entries
-    0..n+m−1 hold, and the pool's f_{n+m} is the first draft step's feature: what the dense path kept as
-    `last_feature`. Entries past the accepted ones are rewritten by the next pass before anything reads them.
+    Token t (x at pos[t]) therefore closes entry pos[t]−1, whose feature is the previous flat token's (same
+    request) or, for a request's first token of the pass (`first`), f_{pos−1} read back from the feature pool,
+    where every pass stores its tokens' features f_p at p. So after a pass over positions n..n+ℓ with m
+    accepted, entries 0..n+m−1 hold, and the pool's f_{n+m} is what the next draft reads: EAGLE-3's first step,
+    the block pass's entry n+m with the anchor. Entries past the accepted ones are rewritten by the next pass
+    before anything reads them.
 
     embed [V, D]; feats [T, m·D]; tokens, slot, pos [T]; valid, first bool [T]."""
     fused = model.project_features(feats[None])[0]  # [T, D]
@@ -349,13 +354,22 @@ def eagle_write_flat(model: DrafterModel, kv: PagedKV, embed, feats, tokens, slo
     prev = jnp.where(first[:, None], stored, jnp.roll(fused, 1, axis=0))
     page, offset = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
     feat = write_pages(kv.feat, fused[:, None], page, offset)
-    x = model.eagle_input(TargetHead(embed=embed, lm_head=None), tokens[None], prev[None])
-    layer = model.layers[0]  # EAGLE-3 has one layer
-    h = x if model.concat else layer.attn_norm(x)
-    k, v = layer.context_kv(h, prev_pos[None], rope_inv_freq(model.cfg.rope, model.cfg.head_dim))
+    head = TargetHead(embed=embed, lm_head=None)
+    if model.cfg.kind == "eagle3":  # one layer
+        x = model.eagle_input(head, tokens[None], prev[None])
+        h = x if model.concat else model.layers[0].attn_norm(x)
+    else:
+        h = model.context_entry(head, tokens[None], prev[None])
+    inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
     entry_page, entry_off = page_slots(block_tables, slot, prev_pos, valid & (pos > 0), kv.num_pages, kv.page_size)
-    return PagedKV(k=write_pages(kv.k, k[0], entry_page, entry_off, 0),
-                   v=write_pages(kv.v, v[0], entry_page, entry_off, 0), feat=feat)
+    k_pool, v_pool = kv.k, kv.v
+    for i, layer in enumerate(model.layers):
+        k, v = layer.context_kv(h, prev_pos[None], inv_freq)
+        k_pool = write_pages(k_pool, k[0], entry_page, entry_off, i)
+        v_pool = write_pages(v_pool, v[0], entry_page, entry_off, i)
+    return PagedKV(k=k_pool, v=v_pool, feat=feat)
+
+
 def last_context_entry(kv: PagedKV, block_tables, lengths) -> jax.Array:
     """H_ctx[n−1] of each row [B, D] from the entry pool (rows with no context read a harmless entry)."""
     pos = jnp.maximum(lengths - 1, 0)
@@ -385,24 +399,41 @@ def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tab
     """The drafter's parallel block pass (DrafterModel.block_hidden) reading its injected context from pages.
 
     anchor [B] sits at position lengths [B] (= committed tokens n); context entries 0..n−1 of row b live in
-    block_tables[b]'s pages. Each block query attends to the whole context (online softmax over used pages
-    only) and bidirectionally to the block. Returns h [B, L, D].
+    block_tables[b]'s pages (with `context_tokens`, 0..n−2: entry n−1 pairs with the anchor and is made here,
+    as `DrafterModel.close_last_entry` does). Each block query attends to the whole context (online softmax over
+    used pages only) and bidirectionally to the block. Returns h [B, L, D].
     """
-    last = last_context_entry(kv, block_tables, lengths) if model.cfg.anchor_feature else None
+    cfg = model.cfg
+    last = last_context_entry(kv, block_tables, lengths) if cfg.keeps_last_feature else None  # H_ctx[n−1]
     x, positions = model.block_inputs(head, anchor, lengths, last)
     B, n_in = positions.shape
-    angles = rope_angles(positions, rope_inv_freq(model.cfg.rope, model.cfg.head_dim), x.dtype)
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    angles = rope_angles(positions, inv_freq, x.dtype)
     block_mask = jnp.ones((B, n_in, n_in), bool)
+    context_lens = lengths
+    if cfg.context_tokens:  # entry n−1 pairs with the anchor: the pages hold 0..n−2, this pass makes n−1
+        context_lens = jnp.maximum(lengths - 1, 0)
+        entry = model.context_entry(head, anchor[:, None], last[:, None])  # [B, 1, D]
+        block_mask = jnp.ones((B, n_in, n_in + 1), bool)
     for i, layer in enumerate(model.layers):
-        x, _ = _layer_paged(layer, layer.attn_norm(x), x, angles, kv, block_tables, lengths, i,
-                            lambda k, v: (k, v, block_mask), chunk_tokens=chunk_tokens)
+        if cfg.context_tokens:
+            ek, ev = layer.context_kv(entry, context_lens[:, None], inv_freq)
+
+            def block_keys(k, v, ek=ek, ev=ev):
+                return (jnp.concatenate([ek.astype(k.dtype), k], 1), jnp.concatenate([ev.astype(v.dtype), v], 1),
+                        block_mask)
+        else:
+            def block_keys(k, v):
+                return k, v, block_mask
+        x, _ = _layer_paged(layer, layer.attn_norm(x), x, angles, kv, block_tables, context_lens, i, block_keys,
+                            chunk_tokens=chunk_tokens)
     return model.block_output(x)
 
 
 def eagle_step_paged(model: DrafterModel, head: TargetHead, kv: PagedKV, block_tables, lengths, *,
                      chunk_tokens: int = 128):
     """EAGLE-3's draft step (DrafterModel.eagle_step) over the paged context of rows with `lengths` [B] = n
-    committed tokens: context entries 0..n−2 (`eagle_write_flat`), step k at position n−1+k.
+    committed tokens: context entries 0..n−2 (`closing_write_flat`), step k at position n−1+k.
 
     Returns (step, extra0) for `drafter.draft_eagle`: step(token [B], feature [B, D], k, extra) → (pre-norm
     output [B, D], final-normed h [B, D], extra), where extra = (k, v) [B, L, K, H] of the steps drafted so far;
@@ -435,5 +466,5 @@ def eagle_step_paged(model: DrafterModel, head: TargetHead, kv: PagedKV, block_t
 
 
 __all__ = ["PagedKV", "batched_ragged_attention", "drafter_block_hidden_paged", "drafter_write_flat",
-           "eagle_step_paged", "eagle_write_flat", "finish_attention", "last_context_entry", "merge_block_keys",
+           "eagle_step_paged", "closing_write_flat", "finish_attention", "last_context_entry", "merge_block_keys",
            "page_slots", "paged_attention_partial", "target_forward_flat", "write_pages"]

@@ -484,8 +484,8 @@ class ModelRunner:
         self.drafter_params = drafter.params if drafter is not None else None
         if drafter is not None:
             dcfg = drafter.config
-            self.drafter_kv = pool(dcfg, feature_dim=dcfg.hidden_size if dcfg.anchor_feature or dcfg.kind == "eagle3"
-                                   else 0, feature_sharding=self._placement)  # replicated: one small pool
+            self.drafter_kv = pool(dcfg, feature_dim=dcfg.hidden_size if dcfg.keeps_last_feature else 0,
+                                   feature_sharding=self._placement)  # replicated: one small pool
         if mesh is not None:
             from dspark_jax.sharding import shard_params
 

@@ -242,29 +242,34 @@ def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
         engine.stop()
 
 
-@pytest.mark.parametrize("anchor_feature", [False, True])
-def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, anchor_feature):
+@pytest.mark.parametrize("options", [{}, dict(anchor_feature=True), dict(context_tokens=True)])
+def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, options):
     """Drafting checked directly, not through outputs (verification would correct any draft): every request's
     round r drafts the same tokens from the same committed length n with the same confidences and draft
     probabilities in the engine (2 slots for 5 requests: continuous batching, rows compacted, pages reused,
-    rounds chained on device) as in `generate` (one batch, its own pages). The drafter's Markov and confidence
-    heads carry noise so the confidences depend on the context. With `anchor_feature` the anchor slot also
-    reads H_ctx[n−1]: from the engine's paged entry pool, and from `generate`'s drafter cache."""
+    rounds chained on device) as in `generate` (one batch, its own pages), and as the dense reference
+    (`DrafterModel.block_hidden` over `write_prompt` of the request's first n tokens) drafts after the fact.
+    The drafter's Markov and confidence heads carry noise so the confidences depend on the context. With
+    `anchor_feature` the anchor slot also reads H_ctx[n−1] from the paged entry pool; with `context_tokens`
+    each entry is closed by the token after it, across rounds whose rejected drafts left wrong ones behind."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
+    from dspark_jax.drafter import draft_from_hidden
+    from dspark_jax.drafter_model import TargetHead
     from dspark_jax.keys import request_key_data, row_key_data
     from dspark_jax.runner import ModelRunner
 
     target, base, prompts, _ = tiny
-    if anchor_feature:
-        base = _drafter(target, "dspark", 4, seed=3, num_layers=1, markov_rank=8, anchor_feature=True)
+    if options:
+        base = _drafter(target, "dspark", 4, seed=3, num_layers=1, markov_rank=8, **options)
     prompts = prompts[:5]
     pure = nnx.to_pure_dict(base.params)
     key = jax.random.key(11)
-    names = ("markov_w1", "markov_w2", "conf_w") + (("anchor_fc",) if anchor_feature else ())
+    names = ("markov_w1", "markov_w2", "conf_w") + tuple(n for n in ("anchor_fc", "context_token_fc") if n in pure)
     for i, name in enumerate(names):
-        scale = 0.02 if name == "anchor_fc" else 0.3  # small: drafts must still get accepted
+        scale = 0.02 if name in ("anchor_fc", "context_token_fc") else 0.3  # small: drafts must still get accepted
         pure[name] = pure[name] + scale * jax.random.normal(jax.random.fold_in(key, i), pure[name].shape)
     params = jax.tree.map(lambda x: x, base.params)
     nnx.replace_by_pure_dict(params, pure)
@@ -308,6 +313,31 @@ def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, anchor_feature):
         np.testing.assert_allclose(q_e, q_g, atol=1e-5, err_msg=str(k))
     confs = np.array([v[2] for v in seen["generate"].values()])
     assert confs.std() > 0.01  # the confidences depend on the context: their equality is a check
+    model, head = drafter.module(), TargetHead.from_params(target.params, True)
+    cfg, T = drafter.config, max(len(p) for p in prompts) + MAX_NEW
+
+    @jax.jit
+    def dense(tokens, n):  # tokens [1, T]: the request's sequence, its anchor at position n
+        _, _, feats = target.forward(tokens, target.init_cache(1, T), hidden_layers=cfg.target_layers,
+                                     compute_logits=False)
+        cache = model.write_prompt(model.init_cache(1, T), head, tokens, feats, n[None])
+        h = model.block_hidden(head, cache, tokens[:, n], n[None])
+        zero = jnp.zeros((1,))
+        return draft_from_hidden(model, head, h, tokens[:, n], jax.random.split(jax.random.key(0), 1), zero,
+                                 jnp.zeros((1,), jnp.int32), jnp.ones((1,)))
+
+    checked = 0
+    for (i, r), (n, tok, conf, _) in sorted(seen["generate"].items()):
+        seq = np.zeros((1, T), np.int32)
+        full = prompts[i] + gen.tokens[i]
+        if n >= len(full):  # a last round past max_tokens: its anchor was cut from the output
+            continue
+        seq[0, : len(full)] = full
+        want_tok, _, want_conf = dense(jnp.asarray(seq), jnp.int32(n))
+        assert (np.asarray(want_tok[0]) == tok).all(), (i, r)
+        np.testing.assert_allclose(conf, np.asarray(want_conf[0]), atol=1e-5, err_msg=str((i, r)))
+        checked += 1
+    assert checked >= 3 * len(prompts)
 
 
 def test_preemption_keeps_outputs_exact_and_returns_pages(tiny):

@@ -54,12 +54,16 @@ def test_poisoned_positions_beyond_the_context_cannot_leak():
     np.testing.assert_allclose(out, clean, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("anchor_feature", [False, True, "residual", "fused"])
-def test_paged_block_pass_equals_the_dense_one(tmp_path, anchor_feature):
-    """The engine's drafting pass over pages (context written flat into shuffled pages, then
-    `drafter_block_hidden_paged`) equals `DrafterModel.block_hidden` over the prompt's dense cache (the path
-    tests/test_train_anchors.py ties to training), rows of different lengths; with `anchor_feature` the anchor
-    slot reads H_ctx[n−1] from the entry pool, so an off-by-one there fails (a string: that `anchor_mode`)."""
+@pytest.mark.parametrize("options", [{}, dict(anchor_feature=True), dict(anchor_feature=True, anchor_mode="residual"),
+                                     dict(anchor_feature=True, anchor_mode="fused"), dict(context_tokens=True),
+                                     dict(context_tokens=True, anchor_feature=True)])
+def test_paged_block_pass_equals_the_dense_one(tmp_path, options):
+    """The engine's drafting pass over pages (context written flat into shuffled pages in two passes, as a
+    chunked prefill does, then `drafter_block_hidden_paged`) equals `DrafterModel.block_hidden` over the
+    prompt's dense cache (the path tests/test_train_anchors.py ties to training), rows of different lengths.
+    With `anchor_feature` the anchor slot reads H_ctx[n−1] from the entry pool, so an off-by-one there fails;
+    with `context_tokens` each entry is closed by the next token (the second pass's first ones from the pool)
+    and entry n−1 by the anchor."""
     import jax
     from conftest import make_hf_model, target_from_hf
     from flax import nnx
@@ -69,10 +73,7 @@ def test_paged_block_pass_equals_the_dense_one(tmp_path, anchor_feature):
     from dspark_jax.paged import PagedKV, drafter_block_hidden_paged, drafter_write_flat
 
     target = target_from_hf(make_hf_model("llama", tied=True), tmp_path)
-    mode = anchor_feature if isinstance(anchor_feature, str) else "add"
-    anchor_feature = bool(anchor_feature)
-    d = dspark_jax.init_drafter(target, kind="dspark", block_size=4, num_layers=2, seed=1, markov_rank=8,
-                                anchor_feature=anchor_feature, anchor_mode=mode)
+    d = dspark_jax.init_drafter(target, kind="dspark", block_size=4, num_layers=2, seed=1, markov_rank=8, **options)
     flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(d.params))
     key = jax.random.key(5)
     for i, (k, v) in enumerate(sorted(flat.items())):
@@ -85,18 +86,24 @@ def test_paged_block_pass_equals_the_dense_one(tmp_path, anchor_feature):
     n = jnp.asarray([29, 7, 16], jnp.int32)  # committed lengths; the anchor sits at position n
     _, _, feats = target.forward(tokens, target.init_cache(B, T), hidden_layers=cfg.target_layers,
                                  compute_logits=False)
-    dense = model.block_hidden(head, model.write_prompt(model.init_cache(B, T), head, tokens, feats, n),
-                               tokens[jnp.arange(B), n], n)
+    anchor = tokens[jnp.arange(B), n]
+    dense = model.block_hidden(head, model.write_prompt(model.init_cache(B, T), head, tokens, feats, n), anchor, n)
     P = B * M + 2
     tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
     kv = PagedKV.init(num_layers=cfg.num_layers, num_pages=P, num_kv_heads=cfg.num_kv_heads, page_size=ps,
-                      head_dim=cfg.head_dim, feature_dim=cfg.hidden_size if anchor_feature else 0)
+                      head_dim=cfg.head_dim, feature_dim=cfg.hidden_size if cfg.keeps_last_feature else 0)
+    if cfg.context_tokens:  # a pass's entries are garbage until closed: poison the pools
+        kv = PagedKV(k=kv.k + 7.0, v=kv.v - 7.0, feat=kv.feat)
     slot = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
     pos = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
-    kv = drafter_write_flat(model, kv, feats.reshape(B * T, -1), slot, pos, pos < n[slot], tables)
-    paged = drafter_block_hidden_paged(model, head, kv, tables, n, tokens[jnp.arange(B), n])
+    flat_feats, flat_tokens = feats.reshape(B * T, -1), tokens.reshape(-1)
+    for lo, hi in ((0, 11), (11, T)):  # two passes over each row's committed tokens
+        sel = np.flatnonzero((np.asarray(pos) >= lo) & (np.asarray(pos) < hi))
+        kv = drafter_write_flat(model, kv, flat_feats[sel], slot[sel], pos[sel], (pos < n[slot])[sel], tables,
+                                tokens=flat_tokens[sel], first=pos[sel] == lo, embed=head.embed)
+    paged = drafter_block_hidden_paged(model, head, kv, tables, n, anchor)
     np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), atol=2e-5)
-    assert (kv.feat is not None) == anchor_feature
+    assert (kv.feat is not None) == cfg.keeps_last_feature
 
 
 @pytest.mark.parametrize("eagle_layer", ["fused", "concat"])

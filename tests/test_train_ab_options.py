@@ -1,6 +1,7 @@
 """The training A/B switches, each off by default: per-layer RMSNorm of the target features before `fc`
 (`DrafterConfig.feature_norm`), DeepSpec's position decay γ (`optim.loss.gamma`), and a fourth target feature
-(the last layer, through `target_layers`), and how H_ctx[n−1] joins the anchor slot (`anchor_mode`). Oracles: a
+(the last layer, through `target_layers`), how H_ctx[n−1] joins the anchor slot (`anchor_mode`), and context
+entries that carry the token after them (`context_tokens`). Oracles: a
 naive numpy projection, hand-computed weights, save/load round trips and greedy equality with target-only
 decoding."""
 
@@ -117,3 +118,44 @@ def test_anchor_mode_needs_the_anchor_feature(target):
         DrafterConfig.for_target(target.config, kind="dspark", anchor_mode="fused")
     with pytest.raises(ValueError, match="unknown anchor_mode"):
         DrafterConfig.for_target(target.config, kind="dspark", anchor_feature=True, anchor_mode="sum")
+
+
+def test_context_tokens_pair_each_entry_with_the_next_token(target):
+    cfg = DrafterConfig.for_target(target.config, kind="dspark", block_size=3, num_layers=1, markov_rank=8,
+                                   context_tokens=True)
+    model = DrafterModel(cfg, rngs=nnx.Rngs(0))
+    assert not np.asarray(model.context_token_fc[...]).any()  # W starts at zero: entries start as H_ctx alone
+    rng = np.random.default_rng(6)
+    model.context_token_fc[...] = jnp.asarray(rng.normal(0, 0.1, model.context_token_fc.shape).astype(np.float32))
+    head = dspark_jax.drafter_model.TargetHead.from_params(target.params, True)
+    nxt = jnp.asarray([[3, 17, 40]], jnp.int32)
+    h = rng.normal(size=(1, 3, cfg.hidden_size)).astype(np.float32)
+    e = np.asarray(head.embed)[np.asarray(nxt)]
+    normed = e / np.sqrt((e.astype(np.float64) ** 2).mean(-1, keepdims=True) + cfg.rms_norm_eps)
+    got = model.context_entry(head, nxt, jnp.asarray(h))
+    np.testing.assert_allclose(np.asarray(got), h + normed @ np.asarray(model.context_token_fc[...]), rtol=1e-4,
+                               atol=1e-4)
+    with pytest.raises(ValueError, match="needs the token after each context entry"):
+        model.context_entry(head, None, jnp.asarray(h))
+
+
+def test_context_tokens_drafter_round_trips_and_stays_lossless(target, tmp_path):
+    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=3, num_layers=2, markov_rank=8, seed=3,
+                                      context_tokens=True)
+    pure = nnx.to_pure_dict(drafter.params)
+    pure["context_token_fc"] = pure["context_token_fc"] + 0.05  # not zero: the round trip must carry it
+    nnx.replace_by_pure_dict(drafter.params, pure)
+    drafter.save(str(tmp_path / "d"))
+    loaded = dspark_jax.load_drafter(str(tmp_path / "d"), target)
+    assert loaded.config.context_tokens
+    np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(loaded.params)["context_token_fc"]),
+                                  np.asarray(pure["context_token_fc"]))
+    prompts = [[5, 9, 17, 3], [11, 4, 8, 30, 2, 7]]
+    ref = dspark_jax.generate(target, prompts, max_new_tokens=12, ignore_eos=True)
+    spec = dspark_jax.generate(target, prompts, loaded, max_new_tokens=12, ignore_eos=True)
+    assert spec.tokens == ref.tokens
+
+
+def test_context_tokens_are_for_block_drafters(target):
+    with pytest.raises(ValueError, match="context_tokens applies to block drafters"):
+        DrafterConfig.for_target(target.config, kind="eagle3", num_layers=1, context_tokens=True)

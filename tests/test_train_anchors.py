@@ -38,6 +38,9 @@ def _feats(target, tokens, layers):
 
 def _drafter(target, kind, L=4):
     extra = dict(markov_rank=8) if kind.startswith("dspark") else {}
+    if "+context_tokens" in kind:  # each context entry carries the token after it
+        kind = kind.replace("+context_tokens", "")
+        extra.update(context_tokens=True)
     if "+anchor_feature" in kind:  # H_ctx[n−1] joins the anchor slot's input ("…:mode": how, anchor_mode)
         kind, _, mode = kind.partition("+anchor_feature")
         extra.update(anchor_feature=True, anchor_mode=mode.lstrip(":") or "add")
@@ -50,7 +53,8 @@ def _drafter(target, kind, L=4):
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "dflash_anchor_predicts", "dspark+anchor_feature",
-                                  "dspark+anchor_feature:residual", "dspark+anchor_feature:fused"])
+                                  "dspark+anchor_feature:residual", "dspark+anchor_feature:fused",
+                                  "dspark+context_tokens", "dflash+context_tokens+anchor_feature"])
 def test_packed_blocks_equal_the_per_anchor_layout(tiny, kind):
     if kind == "dflash_anchor_predicts":  # DFlash in DeepSpec's form: anchor + L−1 masks, the anchor slot predicts
         d = dspark_jax.init_drafter(tiny, kind="dflash", block_size=4, num_layers=2, seed=1, anchor_predicts=True)
@@ -73,7 +77,8 @@ def test_packed_blocks_equal_the_per_anchor_layout(tiny, kind):
                                atol=2e-5)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "dspark+anchor_feature", "dspark+anchor_feature:fused"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "dspark+anchor_feature", "dspark+anchor_feature:fused",
+                                  "dspark+context_tokens"])
 def test_packed_loss_and_gradients_equal_the_reference(tiny, kind):
     d = _drafter(tiny, kind)
     head = TargetHead.from_params(tiny.params, True)

@@ -112,7 +112,7 @@ def context_cache(model: DrafterModel, head: TargetHead, tokens, feats, anchors)
         return DrafterCache(k=tuple(map(rep, full.k)), v=tuple(map(rep, full.v)), lengths=n - 1,
                             last_feature=last.astype(full.last_feature.dtype))
     last = rep(full.last_feature)
-    if model.cfg.anchor_feature:  # H_ctx[n−1] of each anchor
+    if model.cfg.keeps_last_feature:  # H_ctx[n−1] of each anchor
         last = model.project_features(_gather_time(rep(feats), (n - 1)[:, None]))[:, 0].astype(last.dtype)
     return DrafterCache(k=tuple(map(rep, full.k)), v=tuple(map(rep, full.v)), lengths=n, last_feature=last)
 
@@ -167,6 +167,8 @@ def packed_block_hidden(model: DrafterModel, head: TargetHead, tokens, feats, an
     h_ctx = model.project_features(feats)  # [S, T, D], eq. 2
     ctx_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (S, T))
     last = _gather_time(h_ctx, anchors - 1) if cfg.anchor_feature else None  # H_ctx[n−1] [S, A, D]
+    # With `context_tokens` entry t pairs with x_{t+1}: entry n−1 with the anchor x_n, as the block pass closes it.
+    h_ctx = model.context_entry(head, jnp.concatenate([tokens[:, 1:], jnp.zeros((S, 1), tokens.dtype)], 1), h_ctx)
     x, pos = model.block_inputs(head, jnp.take_along_axis(tokens, anchors, axis=1), anchors, last)
     x, pos = x.reshape(S, A * n_in, -1), pos.reshape(S, A * n_in)
     ctx_mask = jnp.arange(T)[None, None, :] < jnp.repeat(anchors, n_in, axis=1)[:, :, None]  # [S, A·n_in, T]
