@@ -27,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dspark_jax.drafter_config import ANCHOR_MODES  # noqa: E402
 from train.factory import FactorySettings, assemble, join_parts, run_factory, split_file  # noqa: E402
 
 
@@ -61,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the slot decoder's attention (default reference: XLA's, safe at thousands of rows)")
     r.add_argument("--kinds", nargs="+", default=list(defaults.kinds), choices=("dspark", "eagle3", "dflash"),
                    help="drafters trained on the same batches")
+    r.add_argument("--anchor-mode", default=defaults.anchor_mode, choices=ANCHOR_MODES,
+                   help=f"how DSpark's anchor slot reads H_ctx[n-1] (default {defaults.anchor_mode})")
     for name, help_ in [
         ("magpie", "Magpie queries the target writes"), ("docstrings", "stdlib docstring prompts"),
         ("responses_per_prompt", "sampled answers per prompt"),

@@ -242,7 +242,7 @@ def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
         engine.stop()
 
 
-@pytest.mark.parametrize("options", [{}, dict(anchor_feature=True), dict(context_tokens=True)])
+@pytest.mark.parametrize("options", [{}, dict(anchor_feature=True, context_tokens=True)])
 def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, options):
     """Drafting checked directly, not through outputs (verification would correct any draft): every request's
     round r drafts the same tokens from the same committed length n with the same confidences and draft
@@ -250,7 +250,7 @@ def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, options):
     rounds chained on device) as in `generate` (one batch, its own pages), and as the dense reference
     (`DrafterModel.block_hidden` over `write_prompt` of the request's first n tokens) drafts after the fact.
     The drafter's Markov and confidence heads carry noise so the confidences depend on the context. With
-    `anchor_feature` the anchor slot also reads H_ctx[n−1] from the paged entry pool; with `context_tokens`
+    `anchor_feature` the anchor slot also reads H_ctx[n−1] from the paged feature pool; with `context_tokens`
     each entry is closed by the token after it, across rounds whose rejected drafts left wrong ones behind."""
     import jax
     import jax.numpy as jnp

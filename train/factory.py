@@ -93,6 +93,9 @@ class FactorySettings:
     dspark_layers: int = 2
     dflash_layers: int = 2
     markov_rank: int = 256  # DeepSpec's; at 300 steps it beat 32 by 0.03 held-out c* (reports/2026-12-05/loss-ab)
+    # EAGLE-3's fused input in the anchor slot: at 300 steps, position-1 held-out c* on T = 1 text 0.287 against
+    # `add`'s 0.212 (EAGLE-3 0.297; reports/2026-12-06/anchor-ab)
+    anchor_mode: str = "fused"
     magpie: int = 16384  # Magpie queries asked for
     docstrings: int = 4096  # stdlib docstring prompts (the pool holds a few thousand)
     responses_per_prompt: int = 2  # sampled answers per prompt (a second pass over all prompts, new streams)
@@ -153,7 +156,8 @@ def drafter_configs(target, s: FactorySettings) -> dict:
     """{kind: DrafterConfig}, all reading the same target layers (one shared forward feeds them all)."""
     from dspark_jax.drafter_config import DrafterConfig
 
-    extra = {"dspark": dict(num_layers=s.dspark_layers, markov_rank=s.markov_rank, anchor_feature=True),
+    extra = {"dspark": dict(num_layers=s.dspark_layers, markov_rank=s.markov_rank, anchor_feature=True,
+                            anchor_mode=s.anchor_mode),
              "dflash": dict(num_layers=s.dflash_layers), "eagle3": {}}
     cfgs = {k: DrafterConfig.for_target(target.config, kind=k, block_size=s.block_size, **extra[k])
             for k in s.kinds}
