@@ -25,5 +25,10 @@ run eagle3-soft-L1 --set drafter.kind=eagle3 --set "$E3" --set 'optim.loss={ce: 
   --set drafter.block_size=1
 # Neither? Then the loss: DSpark trained on EAGLE-3's loss alone (soft cross-entropy; no TV, CE or confidence).
 run dspark-e3loss --set 'optim.loss={ce: 0.0, tv: 0.0, conf: 0.0, kl: 1.0}'
+# Nor those? Then the context entries: EAGLE-3's pairs f_t with the token x_{t+1} that followed it, DSpark's is f_t
+# alone (`context_tokens`: f_t + RMSNorm(e(x_{t+1}))·W, entry n-1 made with the anchor).
+run context-tokens --set "drafter.overrides={$O, context_tokens: true}"
 run fused --set "drafter.overrides={$O, anchor_mode: fused}"
+# Fused helps position 1: do paired context entries add to it?
+run fused-context-tokens --set "drafter.overrides={$O, anchor_mode: fused, context_tokens: true}"
 echo "== all done $(date -u +%T)"

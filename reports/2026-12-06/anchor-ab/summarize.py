@@ -14,8 +14,8 @@ from train.plots import plot_heldout_runs  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 root = sys.argv[1] if len(sys.argv) > 1 else "runs/anchor-ab"
-ARMS = [a for a in ("base", "residual", "fused", "dspark-a256", "dspark-e3loss", "eagle3-soft",
-                    "eagle3-soft-L1")
+ARMS = [a for a in ("base", "residual", "fused", "context-tokens", "fused-context-tokens", "dspark-a256",
+                    "dspark-e3loss", "eagle3-soft", "eagle3-soft-L1")
         if any(os.path.exists(p) for p in (os.path.join(root, a, "metrics.jsonl"),
                                            os.path.join(HERE, f"metrics-{a}.jsonl")))]
 for a in ARMS:
