@@ -100,13 +100,21 @@ def test_anchor_mode_joins_the_last_feature_as_documented(target, mode):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["residual", "fused"])
-def test_anchor_mode_drafter_round_trips_and_stays_lossless(target, tmp_path, mode):
-    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=3, num_layers=1, markov_rank=8, seed=3,
-                                      anchor_feature=True, anchor_mode=mode)
+@pytest.mark.parametrize("options", [dict(anchor_feature=True, anchor_mode="residual"),
+                                     dict(anchor_feature=True, anchor_mode="fused"), dict(context_tokens=True)])
+def test_anchor_and_context_options_round_trip_and_stay_lossless(target, tmp_path, options):
+    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=3, num_layers=2, markov_rank=8, seed=3,
+                                      **options)
+    pure = nnx.to_pure_dict(drafter.params)
+    new = [name for name in ("anchor_fc", "context_token_fc") if name in pure]
+    for name in new:  # not zero (where they start): the round trip must carry them
+        pure[name] = pure[name] + 0.05
+    nnx.replace_by_pure_dict(drafter.params, pure)
     drafter.save(str(tmp_path / "d"))
     loaded = dspark_jax.load_drafter(str(tmp_path / "d"), target)
-    assert loaded.config.anchor_mode == mode
+    assert {k: getattr(loaded.config, k) for k in options} == options
+    for name in new:
+        np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(loaded.params)[name]), np.asarray(pure[name]))
     prompts = [[5, 9, 17, 3], [11, 4, 8, 30, 2, 7]]
     ref = dspark_jax.generate(target, prompts, max_new_tokens=12, ignore_eos=True)
     spec = dspark_jax.generate(target, prompts, loaded, max_new_tokens=12, ignore_eos=True)
@@ -137,23 +145,6 @@ def test_context_tokens_pair_each_entry_with_the_next_token(target):
                                atol=1e-4)
     with pytest.raises(ValueError, match="needs the token after each context entry"):
         model.context_entry(head, None, jnp.asarray(h))
-
-
-def test_context_tokens_drafter_round_trips_and_stays_lossless(target, tmp_path):
-    drafter = dspark_jax.init_drafter(target, kind="dspark", block_size=3, num_layers=2, markov_rank=8, seed=3,
-                                      context_tokens=True)
-    pure = nnx.to_pure_dict(drafter.params)
-    pure["context_token_fc"] = pure["context_token_fc"] + 0.05  # not zero: the round trip must carry it
-    nnx.replace_by_pure_dict(drafter.params, pure)
-    drafter.save(str(tmp_path / "d"))
-    loaded = dspark_jax.load_drafter(str(tmp_path / "d"), target)
-    assert loaded.config.context_tokens
-    np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(loaded.params)["context_token_fc"]),
-                                  np.asarray(pure["context_token_fc"]))
-    prompts = [[5, 9, 17, 3], [11, 4, 8, 30, 2, 7]]
-    ref = dspark_jax.generate(target, prompts, max_new_tokens=12, ignore_eos=True)
-    spec = dspark_jax.generate(target, prompts, loaded, max_new_tokens=12, ignore_eos=True)
-    assert spec.tokens == ref.tokens
 
 
 def test_context_tokens_are_for_block_drafters(target):
