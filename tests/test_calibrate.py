@@ -146,6 +146,10 @@ def test_png_writers(tmp_path, fitted):
     assert _is_png(plots.plot_heldout_runs(held, tmp_path / "ab.png", reference={"shipped": (0.3, 0.35)}))
     with pytest.raises(ValueError, match="no run holds"):
         plots.plot_heldout_runs(held, tmp_path / "none.png", set_name="t0")
+    assert plots.heldout_table(held, [("t1 mean", "t1", "c_star", None), ("t1 k = 2", "t1", "c_star", 1)],
+                               every=100).splitlines() == [
+        "| arm | step | t1 mean | t1 k = 2 |", "|---|---:|---:|---:|",
+        "| base | 100 | 7.5000 | 5.0000 |", "| arm | 100 | 7.5100 | 5.0000 |"]
     throughput = {"static": {1: {"total_tps": 50, "per_user_tps": 50}, 8: {"total_tps": 300, "per_user_tps": 37}},
                   "dspark": {"1": {"total_tps": 60, "per_user_tps": 60}, "8": {"total_tps": 380, "per_user_tps": 47}}}
     assert _is_png(plots.plot_throughput(throughput, tmp_path / "throughput.png"))

@@ -8,7 +8,7 @@ from saved results without a model:
   plot_heldout                — one run's training loss beside its held-out acceptance (train/heldout.py);
   plot_heldout_runs           — several runs' held-out acceptance against step (A/Bs), reference levels dotted;
   plot_throughput             — total and per-user tokens/s against concurrency, per scheduler.
-Every function returns the path it wrote.
+Every function returns the path it wrote; `heldout_table` gives the A/B runs' held-out results as Markdown.
 """
 
 from __future__ import annotations
@@ -223,6 +223,29 @@ def plot_heldout_runs(runs: Mapping[str, Sequence[Mapping]], path, *, set_name: 
         ax.legend(fontsize=7)
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def heldout_table(runs: Mapping[str, Sequence[Mapping]], columns: Sequence[tuple[str, str, str, int | None]], *,
+                  every: int = 100) -> str:
+    """The A/B runs' held-out results as a Markdown table: a row per run and evaluation step that `every` divides.
+
+    Args:
+      runs: {run name: metrics.jsonl records}, as `plot_heldout_runs` reads them.
+      columns: (header, set, measure, position): position k (0-based) of that set's measure, or None for the mean
+        over draft positions.
+      every: which evaluation steps get a row.
+
+    Returns:
+      The table, one line per row, without a trailing newline.
+    """
+    lines = ["| arm | step | " + " | ".join(c[0] for c in columns) + " |", "|---|---:|" + "---:|" * len(columns)]
+    for name, records in runs.items():
+        for r in records:
+            if "heldout" in r and r["step"] % every == 0:
+                values = [r["heldout"][s][m] for _, s, m, _ in columns]
+                cells = [sum(v) / len(v) if k is None else v[k] for v, (*_, k) in zip(values, columns, strict=True)]
+                lines.append(f"| {name} | {r['step']} | " + " | ".join(f"{x:.4f}" for x in cells) + " |")
+    return "\n".join(lines)
 
 
 def plot_throughput(results: Mapping[str, Mapping[int | str, Mapping[str, float]]], path,

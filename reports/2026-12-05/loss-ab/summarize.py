@@ -11,7 +11,7 @@ import shutil
 import sys
 
 sys.path.insert(0, os.getcwd())
-from train.plots import plot_heldout_runs  # noqa: E402
+from train.plots import heldout_table, plot_heldout_runs  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 root = sys.argv[1] if len(sys.argv) > 1 else "runs/loss-ab"
@@ -25,19 +25,12 @@ runs.update({a: os.path.join(HERE, f"metrics-{a}.jsonl") for a in ARMS})
 runs = {a: [json.loads(ln) for ln in open(p)] for a, p in runs.items() if os.path.exists(p)}
 runs = {a: recs for a, recs in runs.items() if any("heldout" in r for r in recs)}
 
-
-def mean(v):
-    return sum(v) / len(v)
-
-
-print("| arm | step | t1 c* mean | t1 c* k = 1 | t0 c* mean | t0 top-1 mean | t0 top-1 k = 1 |")
-print("|---|---:|---:|---:|---:|---:|---:|")
-for a, recs in runs.items():
-    for r in recs:
-        if "heldout" in r and r["step"] % 100 == 0:
-            t1, t0 = r["heldout"]["t1"], r["heldout"]["t0"]
-            print(f"| {a} | {r['step']} | {mean(t1['c_star']):.4f} | {t1['c_star'][0]:.4f} | "
-                  f"{mean(t0['c_star']):.4f} | {mean(t0['top1']):.4f} | {t0['top1'][0]:.4f} |")
+COLUMNS = [("t1 c* mean", "t1", "c_star", None),
+           ("t1 c* k = 1", "t1", "c_star", 0),
+           ("t0 c* mean", "t0", "c_star", None),
+           ("t0 top-1 mean", "t0", "top1", None),
+           ("t0 top-1 k = 1", "t0", "top1", 0)]
+print(heldout_table(runs, COLUMNS))
 plot_heldout_runs(runs, os.path.join(HERE, "loss_ab_t1.png"), set_name="t1", measure="c_star",
                   title="Loss A/Bs, 300 steps: held-out c* on T = 1 text")
 plot_heldout_runs(runs, os.path.join(HERE, "loss_ab_t0.png"), set_name="t0", measure="top1",
