@@ -324,12 +324,18 @@ def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid
         return closing_write_flat(model, kv, embed, feats, tokens, slot, pos, valid, first, block_tables)
     page, offset = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
     h = model.project_features(feats[None])  # [1, T, D]
+    feat = write_pages(kv.feat, h[0][:, None], page, offset) if model.cfg.anchor_feature else kv.feat
+    return _write_entries(model, kv, h, pos, page, offset, feat)
+
+
+def _write_entries(model: DrafterModel, kv: PagedKV, h, pos, page, offset, feat) -> PagedKV:
+    """Context entries h [1, T, D] at positions pos [T] → every drafter layer's K/V, written at (page, offset)
+    [T] (DrafterModel._write_entries, paged); `feat` is the feature pool to keep."""
     inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
     k_pool, v_pool = kv.k, kv.v
     for i, layer in enumerate(model.layers):  # a drafter's few layers, unrolled
         k, v = layer.context_kv(h, pos[None], inv_freq)
         k_pool, v_pool = write_pages(k_pool, k[0], page, offset, i), write_pages(v_pool, v[0], page, offset, i)
-    feat = write_pages(kv.feat, h[0][:, None], page, offset) if model.cfg.anchor_feature else kv.feat
     return PagedKV(k=k_pool, v=v_pool, feat=feat)
 
 
@@ -360,14 +366,8 @@ def closing_write_flat(model: DrafterModel, kv: PagedKV, embed, feats, tokens, s
         h = x if model.concat else model.layers[0].attn_norm(x)
     else:
         h = model.context_entry(head, tokens[None], prev[None])
-    inv_freq = rope_inv_freq(model.cfg.rope, model.cfg.head_dim)
     entry_page, entry_off = page_slots(block_tables, slot, prev_pos, valid & (pos > 0), kv.num_pages, kv.page_size)
-    k_pool, v_pool = kv.k, kv.v
-    for i, layer in enumerate(model.layers):
-        k, v = layer.context_kv(h, prev_pos[None], inv_freq)
-        k_pool = write_pages(k_pool, k[0], entry_page, entry_off, i)
-        v_pool = write_pages(v_pool, v[0], entry_page, entry_off, i)
-    return PagedKV(k=k_pool, v=v_pool, feat=feat)
+    return _write_entries(model, kv, h, prev_pos, entry_page, entry_off, feat)
 
 
 def last_context_entry(kv: PagedKV, block_tables, lengths) -> jax.Array:
@@ -416,15 +416,14 @@ def drafter_block_hidden_paged(model: DrafterModel, head, kv: PagedKV, block_tab
         entry = model.context_entry(head, anchor[:, None], last[:, None])  # [B, 1, D]
         block_mask = jnp.ones((B, n_in, n_in + 1), bool)
     for i, layer in enumerate(model.layers):
-        if cfg.context_tokens:
-            ek, ev = layer.context_kv(entry, context_lens[:, None], inv_freq)
+        entry_kv = layer.context_kv(entry, context_lens[:, None], inv_freq) if cfg.context_tokens else None
 
-            def block_keys(k, v, ek=ek, ev=ev):
-                return (jnp.concatenate([ek.astype(k.dtype), k], 1), jnp.concatenate([ev.astype(v.dtype), v], 1),
-                        block_mask)
-        else:
-            def block_keys(k, v):
+        def block_keys(k, v, entry_kv=entry_kv):  # the block's own keys, after entry n−1's where it is made here
+            if entry_kv is None:
                 return k, v, block_mask
+            ek, ev = entry_kv
+            return jnp.concatenate([ek.astype(k.dtype), k], 1), jnp.concatenate([ev.astype(v.dtype), v], 1), block_mask
+
         x, _ = _layer_paged(layer, layer.attn_norm(x), x, angles, kv, block_tables, context_lens, i, block_keys,
                             chunk_tokens=chunk_tokens)
     return model.block_output(x)
