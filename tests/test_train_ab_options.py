@@ -121,6 +121,54 @@ def test_anchor_and_context_options_round_trip_and_stay_lossless(target, tmp_pat
     assert spec.tokens == ref.tokens
 
 
+@pytest.mark.parametrize("mode", ["residual", "add"])
+def test_init_from_starts_a_fused_drafter_from_an_add_or_residual_one(target, tmp_path, mode):
+    """`drafter.init_from` may move a drafter to `anchor_mode: fused`: from residual the anchor input is the
+    source's exactly; from add it is for an embedding row whose RMS is the rows' mean (elsewhere it is scaled
+    by that ratio); every other parameter is the source's. fused back to add is refused."""
+    import dataclasses
+
+    from dspark_jax.drafter import Drafter
+    from train.fit import init_from_params
+
+    src = dspark_jax.init_drafter(target, kind="dspark", block_size=3, num_layers=1, markov_rank=8, seed=3,
+                                  anchor_feature=True, anchor_mode=mode)
+    pure = nnx.to_pure_dict(src.params)
+    rng = np.random.default_rng(6)
+    pure["anchor_fc"] = rng.normal(0, 0.1, np.shape(pure["anchor_fc"])).astype(np.float32)
+    if mode == "residual":
+        pure["anchor_norm"]["scale"] = rng.normal(1, 0.2, np.shape(pure["anchor_norm"]["scale"])).astype(np.float32)
+    nnx.replace_by_pure_dict(src.params, pure)
+    src.save(str(tmp_path / "src"))
+    src = dspark_jax.load_drafter(str(tmp_path / "src"), target, dtype=jnp.float32)  # the saved (rounded) weights
+
+    def abstract_for(cfg):
+        return Drafter(cfg, nnx.eval_shape(lambda: DrafterModel(cfg, rngs=nnx.Rngs(0))))
+
+    cfg = dataclasses.replace(src.config, anchor_mode="fused")
+    abstract = abstract_for(cfg)
+    moved = abstract.with_params(_to_state(abstract, init_from_params(str(tmp_path / "src"), nnx.to_pure_dict(
+        abstract.params), cfg, target)))
+    head = dspark_jax.drafter_model.TargetHead.from_params(target.params, True)
+    embed = np.asarray(head.embed, np.float64)
+    rms = np.sqrt((embed**2).mean(-1))
+    anchor = jnp.arange(embed.shape[0], dtype=jnp.int32)
+    f = jnp.asarray(rng.normal(size=(embed.shape[0], cfg.hidden_size)).astype(np.float32))
+    want = np.asarray(src.module().anchor_input(head, anchor, f))
+    got = np.asarray(moved.module().anchor_input(head, anchor, f))
+    if mode == "add":  # e + f·A against (r / rms(e))·e + f·A: equal where rms(e) = r, off by the ratio elsewhere
+        fa = np.asarray(f) @ np.asarray(src.module().anchor_fc[...])
+        want = fa + (want - fa) * (rms.mean() / np.sqrt(rms**2 + cfg.rms_norm_eps))[:, None]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    theirs, mine = nnx.to_pure_dict(src.params), nnx.to_pure_dict(moved.params)
+    for name in ("fc", "mask_embed", "markov_w1", "conf_w"):
+        np.testing.assert_array_equal(np.asarray(mine[name]), np.asarray(theirs[name]))
+    back = dataclasses.replace(src.config, anchor_mode="add")
+    moved.save(str(tmp_path / "fused"))
+    with pytest.raises(ValueError, match="anchor_mode"):
+        init_from_params(str(tmp_path / "fused"), nnx.to_pure_dict(abstract_for(back).params), back, target)
+
+
 def test_anchor_mode_needs_the_anchor_feature(target):
     with pytest.raises(ValueError, match="needs anchor_feature"):
         DrafterConfig.for_target(target.config, kind="dspark", anchor_mode="fused")

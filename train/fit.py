@@ -148,17 +148,23 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     tokens into the run's vocabulary: a token in both keeps its W1 row and W2 column; a token new to the run's
     subset starts from the row the source read it with (its shared outside row) and a zero W2 column (no
     bias, as an untrained head); the run's shared outside row is the source's, or with a full-vocabulary
-    source the mean row of the tokens left outside."""
+    source the mean row of the tokens left outside. A source with `anchor_mode` add or residual may start a
+    fused run (`_fused_anchor`)."""
     from dspark_jax.drafter import flat_params, load_drafter, param_key
 
     src = load_drafter(source, target, dtype=jnp.float32)
     loose = ("draft_vocab", "calibration", "calibration_offsets")
     mine, theirs = config.to_dict(), src.config.to_dict()
-    diff = sorted(k for k in mine if k not in loose and mine[k] != theirs.get(k))
+    to_fused = mine.get("anchor_mode") == "fused" and theirs.get("anchor_mode") in ("add", "residual")
+    diff = sorted(k for k in mine if k not in loose and mine[k] != theirs.get(k)
+                  and not (k == "anchor_mode" and to_fused))
     if diff:
         raise ValueError(f"drafter.init_from {source!r} was trained with another drafter config (differs in "
-                         f"{diff}); only the draft vocabulary and the calibration may change")
+                         f"{diff}); only the draft vocabulary, the calibration and anchor_mode (add or residual "
+                         f"to fused) may change")
     flat = {k: np.asarray(x, np.float32) for k, x in flat_params(src.params).items()}
+    if to_fused:
+        flat.update(_fused_anchor(flat, theirs["anchor_mode"], np.asarray(target.params["embed"][...], np.float32)))
     if "markov_w1" in flat and src.config.draft_vocab != config.draft_vocab:
         V = config.vocab_size
         src_ids = np.asarray(src.config.draft_vocab or range(V))
@@ -187,6 +193,18 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
                              f"{None if key not in flat else flat[key].shape}, the run needs {tuple(spec.shape)}")
         out.append(flat[key])
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _fused_anchor(flat: dict, mode: str, embed: np.ndarray) -> dict:
+    """A fused anchor input [RMSNorm(e); f]·W for a drafter trained with `mode` (its D x D `anchor_fc` = A).
+    residual (RMSNorm(e) + f + f·A) moves exactly: W = [I; I + A], its norm kept. add (e + f·A) moves up to the
+    norm: W = [r·I; A] with a fresh norm, r the embedding rows' mean RMS, so a row of RMS r reads as before."""
+    A = flat["anchor_fc"]
+    eye = np.eye(A.shape[0], dtype=np.float32)
+    if mode == "residual":
+        return {"anchor_fc": np.concatenate([eye, eye + A])}
+    r = float(np.sqrt(np.mean(embed.astype(np.float64) ** 2, axis=-1)).mean())
+    return {"anchor_fc": np.concatenate([r * eye, A]), "anchor_norm.scale": np.ones(A.shape[0], np.float32)}
 
 
 def _host(metrics) -> dict:
