@@ -242,7 +242,7 @@ def test_greedy_through_the_server_equals_target_only(tiny, runners, scheduler):
         engine.stop()
 
 
-@pytest.mark.parametrize("options", [{}, dict(anchor_feature=True, context_tokens=True)])
+@pytest.mark.parametrize("options", [{}, dict(anchor_feature=True, anchor_mode="fused", context_tokens=True)])
 def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, options):
     """Drafting checked directly, not through outputs (verification would correct any draft): every request's
     round r drafts the same tokens from the same committed length n with the same confidences and draft
@@ -250,7 +250,8 @@ def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, options):
     rounds chained on device) as in `generate` (one batch, its own pages), and as the dense reference
     (`DrafterModel.block_hidden` over `write_prompt` of the request's first n tokens) drafts after the fact.
     The drafter's Markov and confidence heads carry noise so the confidences depend on the context. With
-    `anchor_feature` the anchor slot also reads H_ctx[n−1] from the paged feature pool; with `context_tokens`
+    `anchor_feature` the anchor slot also reads H_ctx[n−1] from the paged feature pool (fused with its
+    embedding, the factory's `anchor_mode`); with `context_tokens`
     each entry is closed by the token after it, across rounds whose rejected drafts left wrong ones behind."""
     import jax
     import jax.numpy as jnp
@@ -268,6 +269,10 @@ def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, options):
     pure = nnx.to_pure_dict(base.params)
     key = jax.random.key(11)
     names = ("markov_w1", "markov_w2", "conf_w") + tuple(n for n in ("anchor_fc", "context_token_fc") if n in pure)
+    if options.get("anchor_mode") == "fused":  # [r·I; 0]: the anchor input starts as its embedding (RMS r), as add's
+        D = pure["anchor_fc"].shape[1]
+        r = jnp.sqrt(jnp.mean(jnp.square(target.params["embed"][...]), -1)).mean()
+        pure["anchor_fc"] = jnp.concatenate([r * jnp.eye(D), jnp.zeros((D, D))])
     for i, name in enumerate(names):
         scale = 0.02 if name in ("anchor_fc", "context_token_fc") else 0.3  # small: drafts must still get accepted
         pure[name] = pure[name] + scale * jax.random.normal(jax.random.fold_in(key, i), pure[name].shape)
