@@ -220,6 +220,8 @@ def plot(soak: Soak, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from train.plots import save_figure
+
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     for kind in ("stream", "n", "chat_logprobs", "cancel", "malformed", "oversized"):
         pts = [(r["t"], r["latency_s"]) for r in soak.requests if r["kind"] == kind and r["ok"]]
@@ -245,9 +247,7 @@ def plot(soak: Soak, path: str) -> None:
     ax2.set_xlabel("time (s)")
     ax2.legend(loc="upper left", fontsize=7)
     ax3.legend(loc="upper right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 async def run(args, base_url: str, pid: int | None) -> int:

@@ -123,8 +123,12 @@ def test_sts_rejects_bad_shapes():
 
 
 def _is_png(path) -> bool:
+    """A real PNG of a 256-colour palette (`plots.save_figure`: a third of matplotlib's RGBA file)."""
+    from PIL import Image
+
     data = path.read_bytes()
-    return len(data) > 1000 and data.startswith(PNG_MAGIC)
+    with Image.open(path) as image:
+        return len(data) > 1000 and data.startswith(PNG_MAGIC) and image.mode == "P"
 
 
 def test_png_writers(tmp_path, fitted):

@@ -149,6 +149,21 @@ def test_no_numbered_round_diary_in_product_text():
     assert issues.stdout == "", "'issue #N' references in:\n" + issues.stdout
 
 
+def test_tracked_tree_stays_under_30_mib():
+    """Git is not a checkpoint store: code, docs, reports, the compact data and the one shipped drafter stay
+    ≤ 30 MiB, well inside what one device run carries (64 MiB). Plots are palette PNGs (train/plots.py)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if out.returncode:
+        pytest.skip(f"not a git checkout: {out.stderr.strip()}")
+    paths = [os.path.join(ROOT, p) for p in out.stdout.split("\0") if p]
+    sizes = {p: os.path.getsize(p) for p in paths if os.path.isfile(p)}
+    biggest = sorted(sizes, key=sizes.get, reverse=True)[:5]
+    assert sum(sizes.values()) <= 30 * 2**20, [(os.path.relpath(p, ROOT), sizes[p]) for p in biggest]
+
+
 # ---- every code block, as printed --------------------------------------------------------------------------------
 def _params():
     out = []

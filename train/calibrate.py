@@ -314,6 +314,8 @@ def reliability_diagram(conf_logits, num_accepted, temperatures, path, title: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from train.plots import save_figure
+
     z, m = _check(conf_logits, num_accepted)
     block = z.shape[1]
     obs = survival_labels(m, block)
@@ -342,7 +344,5 @@ def reliability_diagram(conf_logits, num_accepted, temperatures, path, title: st
                title="Mean survival per position")
     ax_pos.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
