@@ -22,7 +22,7 @@ def test_shipped_with_config_command_and_log():
     assert set(NAMES) <= set(shipped_drafters())
     for name in NAMES:
         d = os.path.join(SHIPPED_DIR, *name.split("/"))
-        assert _size_mb(d) <= 20.0, (name, _size_mb(d))
+        assert _size_mb(d) <= 22.0, (name, _size_mb(d))  # the whole tracked tree stays ≤ 30 MiB (test_docs)
         for f in ("drafter_config.json", "model.safetensors", "train_config.json", "metrics.jsonl", "README.md"):
             assert os.path.isfile(os.path.join(d, f)), (name, f)
         assert not os.path.exists(os.path.join(d, "params")), "final weights only: no Orbax training state"
