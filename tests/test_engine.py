@@ -269,10 +269,12 @@ def test_engine_drafts_what_generate_drafts(tiny, monkeypatch, options):
     pure = nnx.to_pure_dict(base.params)
     key = jax.random.key(11)
     names = ("markov_w1", "markov_w2", "conf_w") + tuple(n for n in ("anchor_fc", "context_token_fc") if n in pure)
-    if options.get("anchor_mode") == "fused":  # [r·I; 0]: the anchor input starts as its embedding (RMS r), as add's
+    if options.get("anchor_mode") == "fused":  # the anchor input starts as its embedding, as init_from moves add's
+        from train.fit import _fused_anchor
+
         D = pure["anchor_fc"].shape[1]
-        r = jnp.sqrt(jnp.mean(jnp.square(target.params["embed"][...]), -1)).mean()
-        pure["anchor_fc"] = jnp.concatenate([r * jnp.eye(D), jnp.zeros((D, D))])
+        pure["anchor_fc"] = jnp.asarray(_fused_anchor({"anchor_fc": np.zeros((D, D), np.float32)}, "add", np.asarray(
+            target.params["embed"][...]))["anchor_fc"])
     for i, name in enumerate(names):
         scale = 0.02 if name in ("anchor_fc", "context_token_fc") else 0.3  # small: drafts must still get accepted
         pure[name] = pure[name] + scale * jax.random.normal(jax.random.fold_in(key, i), pure[name].shape)

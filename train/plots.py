@@ -29,14 +29,13 @@ def _pyplot():
     return plt
 
 
-def save_figure(fig, path, dpi: int = 100, *, tight: bool = True):
+def save_figure(fig, path, dpi: int = 100):
     """Writes `fig` to `path` as a 256-colour palette PNG and closes it. A plot's flat colours and anti-aliased
     edges fit a palette with no visible change, at about a third of matplotlib's RGBA file (the committed
     reports and drafter cards carry dozens)."""
     import io
 
-    if tight:
-        fig.tight_layout()
+    fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, dpi=dpi, format="png")
     _pyplot().close(fig)
@@ -53,10 +52,6 @@ def palette_png(source, path) -> None:
         rgb = image.convert("RGB")
     rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, format="PNG",
                                                                                            optimize=True)
-
-
-def _save(fig, path):
-    return save_figure(fig, path)
 
 
 def plot_tau(results: Mapping[str, Mapping[str, float]], path, title: str = "Accepted length τ per domain"):
@@ -87,7 +82,7 @@ def plot_tau(results: Mapping[str, Mapping[str, float]], path, title: str = "Acc
     ax.set_xticks(x, groups)
     ax.set(ylabel="τ (tokens per round)", title=title)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _acceptance_lines(ax, curves: Mapping[str, Sequence[float]], title: str):
@@ -121,14 +116,14 @@ def plot_conditional_acceptance(results: Mapping[str, Sequence[float] | Mapping[
         fig, ax = plt.subplots(figsize=(6, 4))
         _acceptance_lines(ax, results, title)
         ax.legend()
-        return _save(fig, path)
+        return save_figure(fig, path)
     domains = list(dict.fromkeys(d for curves in results.values() for d in curves))
     fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 4), sharey=True, squeeze=False)
     for ax, domain in zip(axes[0], domains, strict=True):
         _acceptance_lines(ax, {name: curves[domain] for name, curves in results.items() if domain in curves}, domain)
     axes[0][0].legend()
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_loss_curves(runs: Mapping[str, Sequence[Mapping]], path, title: str = "Training"):
@@ -159,7 +154,7 @@ def plot_loss_curves(runs: Mapping[str, Sequence[Mapping]], path, title: str = "
     if keys[0] == "loss" and all(r["loss"] > 0 for recs in runs.values() for r in recs if "loss" in r):
         axes[0][0].set_yscale("log")  # losses fall over orders of magnitude; log only when it is defined
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_heldout(records: Sequence[Mapping], path, best_step: int | None = None, title: str = "Training"):
@@ -203,7 +198,7 @@ def plot_heldout(records: Sequence[Mapping], path, best_step: int | None = None,
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_heldout_runs(runs: Mapping[str, Sequence[Mapping]], path, *, set_name: str = "t1",
@@ -246,7 +241,7 @@ def plot_heldout_runs(runs: Mapping[str, Sequence[Mapping]], path, *, set_name: 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def heldout_table(runs: Mapping[str, Sequence[Mapping]], columns: Sequence[tuple[str, str, str, int | None]], *,
@@ -303,4 +298,4 @@ def plot_throughput(results: Mapping[str, Mapping[int | str, Mapping[str, float]
         ax.grid(alpha=0.3, which="both")
         ax.legend()
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
