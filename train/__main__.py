@@ -8,6 +8,7 @@
   launch     run `fit` as N processes of one multi-process JAX runtime (one global mesh; see train/launch.py)
   heldout    teacher-forced held-out acceptance (c*, top-1) per draft position of saved drafters
   vocab      size a draft vocabulary from the target's T = 1 mass on prepared T = 1 text; report its outside mass
+  shrink     a trained DSpark drafter's Markov head moved to a draft vocabulary and cut to a lower rank, to ship
 """
 
 from __future__ import annotations
@@ -146,6 +147,28 @@ def _vocab(args) -> None:
         _write_json(args.report, report)
 
 
+def _shrink(args) -> None:
+    import os
+
+    from dspark_jax.target import load_target
+    from train.fit import save_drafter
+    from train.shrink import bytes_on_disk, read_vocab_file, shrink
+
+    target = load_target(args.target)
+    counts = None
+    if args.counts_from:
+        from train.vocab import response_token_counts
+
+        counts = response_token_counts(args.counts_from, target.config.vocab_size)
+    vocab = read_vocab_file(args.draft_vocab) if args.draft_vocab else None
+    drafter, report = shrink(args.source, target, draft_vocab=vocab, markov_rank=args.markov_rank, counts=counts)
+    save_drafter(drafter, args.dest, dtype=args.dtype)
+    report.update(dest=args.dest, bytes=bytes_on_disk(args.dest), dtype=args.dtype)
+    if vocab is not None:
+        report["draft_vocab"]["file"] = os.path.abspath(args.draft_vocab)
+    print(json.dumps(report, indent=1))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -279,6 +302,22 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", default=None, help="write the chosen vocabulary here (draft_vocab.json format)")
     v.add_argument("--report", default=None, help="write the numbers here (JSON)")
     v.set_defaults(func=_vocab)
+
+    sh = sub.add_parser("shrink", help="a DSpark drafter made smaller to ship (train/shrink.py)",
+                        description="Moves a trained DSpark drafter's Markov head to a draft vocabulary (kept tokens "
+                        "exactly) and cuts it to a lower rank (the truncated SVD of W1·W2; the confidence head's "
+                        "weights on W1[x] refitted), every other parameter unchanged; writes DEST in --dtype. "
+                        "Recalibrate the result (`calibrate`) and measure it (`heldout`) before shipping it.")
+    sh.add_argument("source", help="drafter directory or shipped name")
+    sh.add_argument("dest", help="directory to write (drafter_config.json + model.safetensors)")
+    sh.add_argument("--target", default="smollm2-135m-instruct", help="target name, HF directory or .gguf file")
+    sh.add_argument("--draft-vocab", default=None, metavar="JSON",
+                    help="a draft-vocabulary file ({\"ids\": [...]}, what `vocab --out` writes); default: keep it")
+    sh.add_argument("--markov-rank", type=int, default=None, help="the new Markov rank R (default: keep it)")
+    sh.add_argument("--counts-from", default=None, metavar="DIR",
+                    help="prepared shards whose response-token counts weight the truncation's rows (default: equal)")
+    sh.add_argument("--dtype", default="bfloat16", help="dtype of the written weights (default bfloat16)")
+    sh.set_defaults(func=_shrink)
     return p
 
 

@@ -145,12 +145,10 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     """The parameters of a saved drafter (`drafter.init_from`: a directory or a shipped name) as host float32
     arrays shaped like `abstract`, for a run whose DrafterConfig `config` is the source's up to the draft
     vocabulary and the calibration. Every parameter is the source's except the Markov head's, which follow the
-    tokens into the run's vocabulary: a token in both keeps its W1 row and W2 column; a token new to the run's
-    subset starts from the row the source read it with (its shared outside row) and a zero W2 column (no
-    bias, as an untrained head); the run's shared outside row is the source's, or with a full-vocabulary
-    source the mean row of the tokens left outside. A source with `anchor_mode` add or residual may start a
-    fused run (`_fused_anchor`)."""
+    tokens into the run's vocabulary (train/shrink.py `move_markov_vocab`). A source with `anchor_mode` add or
+    residual may start a fused run (`_fused_anchor`)."""
     from dspark_jax.drafter import flat_params, load_drafter, param_key
+    from train.shrink import move_markov_vocab
 
     src = load_drafter(source, target, dtype=jnp.float32)
     loose = ("draft_vocab", "calibration", "calibration_offsets")
@@ -166,24 +164,9 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     if to_fused:
         flat.update(_fused_anchor(flat, theirs["anchor_mode"], np.asarray(target.params["embed"][...], np.float32)))
     if "markov_w1" in flat and src.config.draft_vocab != config.draft_vocab:
-        V = config.vocab_size
-        src_ids = np.asarray(src.config.draft_vocab or range(V))
-        dst_ids = np.asarray(config.draft_vocab or range(V))
-        src_index = np.full(V, -1)
-        src_index[src_ids] = np.arange(len(src_ids))
-        w1, w2 = flat["markov_w1"], flat["markov_w2"]
-        have = src_index[dst_ids] >= 0
-        new_w2 = np.zeros((w2.shape[0], len(dst_ids)), np.float32)
-        new_w2[:, have] = w2[:, src_index[dst_ids[have]]]
-        if src.config.draft_vocab:  # the source's shared row for every token outside its subset
-            outside_row = w1[len(src_ids)]
-        else:
-            outside = np.setdiff1d(np.arange(V), dst_ids)
-            outside_row = w1[outside].mean(0) if outside.size else np.zeros(w1.shape[1], np.float32)
-        rows = [np.where(have[:, None], w1[np.maximum(src_index[dst_ids], 0)], outside_row)]
-        if config.draft_vocab:
-            rows.append(outside_row[None])
-        flat["markov_w1"], flat["markov_w2"] = np.concatenate(rows).astype(np.float32), new_w2
+        flat["markov_w1"], flat["markov_w2"] = move_markov_vocab(flat["markov_w1"], flat["markov_w2"],
+                                                                 config.vocab_size, src.config.draft_vocab,
+                                                                 config.draft_vocab)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     out = []
     for path, spec in leaves:
