@@ -5,6 +5,14 @@ gets its held-out curve (heldout.png) and the saved step's per-position held-out
 
     python scripts/ship_drafter.py runs/smollm2-dspark dspark_jax/drafters/smollm2-135m-instruct/dspark \\
         --command "python -m train fit --config configs/smollm2_dspark.yaml --export ..."
+
+A drafter factory's output (scripts/drafter_factory.py: a directory with its metrics.json) is a run too: the card
+then comes from metrics.json (settings, data, steps, the factory's own held-out c*; its loss history becomes
+metrics.jsonl), plus, when given, `--heldout` (what `python -m train heldout --out` wrote for the shipped
+directory) and `--shrink` (what `python -m train shrink --report` wrote):
+
+    python scripts/ship_drafter.py factory_out dspark_jax/drafters/smollm2-135m-instruct/dspark \\
+        --command "..." --heldout heldout.json --shrink shrink.json --hardware "one H200"
 """
 
 from __future__ import annotations
@@ -45,6 +53,108 @@ c_star (`heldout.png` plots every evaluation):
 """
 
 
+FACTORY_METRICS = "metrics.json"  # train/factory.py METRICS_FILE (not imported: the card needs no jax)
+
+
+def _rows(results: dict, L: int) -> list[str]:
+    """Table rows `| set | measure | k = 1 .. L | mean |` from {set: {"c_star": [L], "top1": [L], ...}}."""
+    rows = []
+    for name, res in results.items():
+        for m in ("c_star", "top1"):
+            if res.get(m):
+                cells = [f"{v:.3f}" for v in res[m]] + [f"{sum(res[m]) / L:.3f}"]
+                rows.append(f"| {name} | {m} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def _table(rows: list[str], L: int, first: str = "set") -> str:
+    header = " | ".join(f"k = {k}" for k in range(1, L + 1))
+    return "\n".join([f"| {first} | measure | {header} | mean |", "|---|---|" + "---:|" * (L + 1), *rows])
+
+
+def ship_factory(args) -> int:
+    """The card of a drafter from a factory run (`args.run_dir` holds its metrics.json)."""
+    from train.plots import plot_loss_curves
+
+    metrics = json.load(open(os.path.join(args.run_dir, FACTORY_METRICS)))
+    cfg = json.load(open(os.path.join(args.ship_dir, "drafter_config.json")))
+    kind, L = cfg["kind"], cfg["block_size"]
+    if kind not in metrics.get("drafters", {}):
+        raise SystemExit(f"{args.run_dir}/{FACTORY_METRICS} has no {kind} drafter "
+                         f"(it has {sorted(metrics.get('drafters', {}))})")
+    s, data, train = metrics["settings"], metrics["data"], metrics["train"]
+    history = train["history"][kind]
+    with open(os.path.join(args.ship_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in history)
+    with open(os.path.join(args.ship_dir, "train_config.json"), "w") as f:
+        json.dump({"factory_settings": s, "loss_weights": train["loss_weights"][kind]}, f, indent=1)
+    plot_loss_curves({kind: history}, os.path.join(args.ship_dir, "loss.png"), title="factory training")
+    size = os.path.getsize(os.path.join(args.ship_dir, "model.safetensors")) / 1e6
+    head = f"`{cfg['head']}`" + (f" (rank {cfg['markov_rank']})" if cfg["head"] != "none" else "")
+    vocab = f"{len(cfg['draft_vocab']):,}-token draft vocabulary" if cfg.get("draft_vocab") else "the whole vocabulary"
+    sections = []
+    held = (metrics.get("heldout_acceptance") or {}).get(kind)
+    if held:
+        rows = [f"| {name} | c_star | " + " | ".join(f"{v:.3f}" for v in held[name]) + f" | {sum(held[name]) / L:.3f} |"
+                for name in ("t1", "t0") if held.get(name)]
+        seqs = held.get("sequences", {})
+        sections.append(f"""Held-out c* from the factory run (its own held-out share: {seqs.get('t1', 0)} windows of
+T = 1 responses, {seqs.get('t0', 0)} of greedy ones; teacher-forced, before any shrinking below):
+
+{_table(rows, L)}
+""")
+    if args.shrink:
+        sh = json.load(open(args.shrink))
+        sections.append(f"""Shrunk to ship (`python -m train shrink`, [train/shrink.py](../../../../train/shrink.py)):
+the Markov head moved from {sh['draft_vocab']['from']:,} to {sh['draft_vocab']['to']:,} tokens and cut from rank
+{sh['markov_rank']['from']} to {sh['markov_rank']['to']} (truncated SVD, {100 * sh.get('kept_energy', 1.0):.1f}% of
+the product's squared norm kept); {sh['params']['from']:,} → {sh['params']['to']:,} parameters.
+""")
+    if args.heldout:
+        ho = json.load(open(args.heldout))
+        entries = ho["drafters"]
+        mine = [k for k in entries if os.path.abspath(k) == os.path.abspath(args.ship_dir)] or list(entries)
+        if len(mine) != 1:
+            raise SystemExit(f"--heldout {args.heldout}: which of {sorted(entries)} is this drafter?")
+        sets = ", ".join(f"`{k}` = {v}" for k, v in ho["sets"].items())
+        sections.append(f"""Held-out acceptance of the shipped weights (`python -m train heldout`, {ho['sequences']}
+records a set, {ho['anchors_per_seq']} anchors per {ho['seq_len']}-token window; {sets}):
+
+{_table(_rows(entries[mine[0]], L), L)}
+""")
+    text = f"""# {kind} drafter for SmolLM2-135M-Instruct
+
+Trained by the drafter factory (`scripts/drafter_factory.py`, [docs/training.md](../../../../docs/training.md)) in
+one run on {args.hardware}; loads with `dspark_jax.load_drafter("smollm2-135m-instruct/{kind}", target)`.
+
+- Architecture: {kind}, block size L = {L}, {cfg['num_layers']} layer(s), sequential head {head}, confidence head:
+  {cfg['confidence']}; reads target layers {cfg['target_layers']}; {vocab}; calibration temperatures:
+  {cfg['calibration'] or 'none'}.
+- Weights: `model.safetensors`, bfloat16, {size:.1f} MB.
+- Data: {data['prompts']:,} prompts (Magpie queries the target wrote, stdlib docstrings; none equal to an
+  evaluation prompt, {data['eval_prompts_banned']:,} checked), {data['sequences']:,} responses by the target
+  ({data['response_tokens']:,} tokens, {data['tokens_per_s']:,.0f} tokens/s; T = {s['temperature']}, a share
+  {s['greedy_share']} greedy; {data['heldout']:,} held out).
+- Run: {train['steps']:,} steps of {s['batch_sequences']} windows x {s['anchors_per_seq']} anchors
+  ({train['anchor_blocks']:,} anchor blocks, T = {s['seq_len']}, peak lr {s['lr']}) in {train['seconds'] / 60:.1f}
+  min; the whole factory run {metrics['elapsed_s'] / 60:.1f} min on {metrics['backend']}.
+
+Command:
+
+```bash
+{args.command}
+```
+
+`metrics.jsonl` is the training log (every 50th step), `loss.png` plots it, `train_config.json` holds the factory's
+settings.
+
+""" + "\n".join(sections)
+    with open(os.path.join(args.ship_dir, "README.md"), "w") as f:
+        f.write(text)
+    print(f"shipped {args.ship_dir}: {size:.1f} MB")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
@@ -52,7 +162,11 @@ def main(argv=None) -> int:
     p.add_argument("--command", required=True, help="the command that trained it (recorded verbatim)")
     p.add_argument("--data", default="data/smollm2", help="prepared data directory (its metadata.json is quoted)")
     p.add_argument("--hardware", default="2 CPU cores", help="where it trained, for the card")
+    p.add_argument("--heldout", default=None, help="factory only: `train heldout --out` JSON for the shipped drafter")
+    p.add_argument("--shrink", default=None, help="factory only: `train shrink --report` JSON")
     args = p.parse_args(argv)
+    if os.path.isfile(os.path.join(args.run_dir, FACTORY_METRICS)):
+        return ship_factory(args)
 
     from train.plots import plot_heldout, plot_loss_curves
 

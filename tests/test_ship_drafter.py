@@ -48,3 +48,44 @@ def test_card_without_heldout_lines_has_no_heldout_section(tmp_path):
     ship = _run(tmp_path, heldout=False)
     assert "Held-out acceptance" not in (ship / "README.md").read_text()
     assert not (ship / "heldout.png").exists()
+
+
+def test_factory_card_from_metrics_json_with_heldout_and_shrink_reports(tmp_path):
+    """A factory's output (metrics.json) is carded from its settings, data, steps and held-out c*, with the
+    `train heldout` and `train shrink` reports when given; its loss history becomes metrics.jsonl and loss.png."""
+    factory, ship = tmp_path / "factory", tmp_path / "ship"
+    factory.mkdir()
+    ship.mkdir()
+    history = [{"step": s, "lr": 1e-3, "loss": 3.0 / s, "acceptance": [0.3, 0.2]} for s in (1, 51, 101)]
+    metrics = {
+        "settings": {"temperature": 1.0, "greedy_share": 0.2, "batch_sequences": 64, "anchors_per_seq": 16,
+                     "seq_len": 512, "lr": 1e-3},
+        "backend": "gpu", "elapsed_s": 540.0,
+        "data": {"prompts": 9000, "eval_prompts_banned": 1200, "sequences": 18000, "response_tokens": 10_500_000,
+                 "tokens_per_s": 61000.0, "greedy": 3600, "heldout": 360},
+        "train": {"steps": 101, "seconds": 240.0, "anchor_blocks": 103424, "history": {"dspark": history},
+                  "loss_weights": {"dspark": {"ce": 0.1}}},
+        "heldout_acceptance": {"dspark": {"t1": [0.52, 0.41], "t0": [0.61, 0.5], "sequences": {"t1": 300, "t0": 60}}},
+        "drafters": {"dspark": {"config": {}, "weights": {}, "params": 1}},
+    }
+    (factory / "metrics.json").write_text(json.dumps(metrics))
+    (ship / "drafter_config.json").write_text(json.dumps(
+        {"kind": "dspark", "head": "markov", "markov_rank": 32, "num_layers": 2, "block_size": 2, "confidence": True,
+         "target_layers": [1, 15, 27], "calibration": [1.0, 1.1], "draft_vocab": list(range(300))}))
+    (ship / "model.safetensors").write_bytes(b"\0" * 3_000_000)
+    heldout = {"sets": {"t1": "data/t1-text"}, "sequences": 64, "seq_len": 256, "anchors_per_seq": 16,
+               "drafters": {str(ship): {"t1": {"c_star": [0.5, 0.4], "top1": [0.3, 0.2], "slots": [10, 10]}}}}
+    shrink = {"draft_vocab": {"from": 49152, "to": 300}, "markov_rank": {"from": 256, "to": 32},
+              "kept_energy": 0.8123, "params": {"from": 40_000_000, "to": 10_000_000}}
+    (tmp_path / "heldout.json").write_text(json.dumps(heldout))
+    (tmp_path / "shrink.json").write_text(json.dumps(shrink))
+    _script().main([str(factory), str(ship), "--command", "bash factory.sh", "--hardware", "one H200",
+                    "--heldout", str(tmp_path / "heldout.json"), "--shrink", str(tmp_path / "shrink.json")])
+    card = (ship / "README.md").read_text()
+    assert "one run on one H200" in card and "3.0 MB" in card and "300-token draft vocabulary" in card
+    assert "10,500,000 tokens" in card and "101 steps of 64 windows x 16 anchors" in card
+    assert "| t1 | c_star | 0.520 | 0.410 | 0.465 |" in card  # the factory's own held-out rows
+    assert "| t1 | c_star | 0.500 | 0.400 | 0.450 |" in card  # `train heldout` on the shipped weights
+    assert "from 49,152 to 300 tokens and cut from rank\n256 to 32" in card and "81.2%" in card
+    assert [json.loads(ln)["step"] for ln in open(ship / "metrics.jsonl")] == [1, 51, 101]
+    assert (ship / "loss.png").read_bytes().startswith(b"\x89PNG")

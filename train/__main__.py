@@ -167,6 +167,9 @@ def _shrink(args) -> None:
     if vocab is not None:
         report["draft_vocab"]["file"] = os.path.abspath(args.draft_vocab)
     print(json.dumps(report, indent=1))
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -317,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--counts-from", default=None, metavar="DIR",
                     help="prepared shards whose response-token counts weight the truncation's rows (default: equal)")
     sh.add_argument("--dtype", default="bfloat16", help="dtype of the written weights (default bfloat16)")
+    sh.add_argument("--report", default=None, help="also write the report printed here (JSON; the card reads it)")
     sh.set_defaults(func=_shrink)
     return p
 
