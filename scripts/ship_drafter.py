@@ -26,36 +26,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def heldout_section(run_dir: str, recs: list[dict], plot, png: str) -> str:
-    """The card's held-out paragraph (and `png`, the curve) from a run's held-out lines; "" when it logged none."""
-    evals = [r for r in recs if "heldout" in r]
-    if not evals:
-        return ""
-    best_path = os.path.join(run_dir, "best.json")
-    step = json.load(open(best_path))["step"] if os.path.exists(best_path) else evals[-1]["step"]
-    plot(recs, png, best_step=step, title="training loss and held-out acceptance")
-    saved = next(r for r in evals if r["step"] == step)["heldout"]
-    L = len(next(iter(saved.values()))["c_star"])
-    rows = []
-    for name, res in saved.items():
-        for m in ("c_star", "top1"):
-            cells = [f"{v:.3f}" for v in res[m]] + [f"{sum(res[m]) / L:.3f}"]
-            rows.append(f"| {name} | {m} | " + " | ".join(cells) + " |")
-    header = " | ".join(f"k = {k}" for k in range(1, L + 1))
-    table = "\n".join([f"| set | measure | {header} | mean |", "|---|---|" + "---:|" * (L + 1), *rows])
-    return f"""
-Held-out acceptance (`train/heldout.py`: teacher-forced, on sequences never trained on; c_star is the T = 1
-acceptance given the sequence's prefix, top1 the agreement with its next token, which on greedy text is the T = 0
-acceptance), evaluated {len(evals)} times during training; the shipped weights are step {step}, the best mean
-c_star (`heldout.png` plots every evaluation):
-
-{table}
-"""
-
-
-FACTORY_METRICS = "metrics.json"  # train/factory.py METRICS_FILE (not imported: the card needs no jax)
-
-
 def _rows(results: dict, L: int) -> list[str]:
     """Table rows `| set | measure | k = 1 .. L | mean |` from {set: {"c_star": [L], "top1": [L], ...}}."""
     rows = []
@@ -67,9 +37,33 @@ def _rows(results: dict, L: int) -> list[str]:
     return rows
 
 
-def _table(rows: list[str], L: int, first: str = "set") -> str:
+def _table(rows: list[str], L: int) -> str:
     header = " | ".join(f"k = {k}" for k in range(1, L + 1))
-    return "\n".join([f"| {first} | measure | {header} | mean |", "|---|---|" + "---:|" * (L + 1), *rows])
+    return "\n".join([f"| set | measure | {header} | mean |", "|---|---|" + "---:|" * (L + 1), *rows])
+
+
+def heldout_section(run_dir: str, recs: list[dict], plot, png: str) -> str:
+    """The card's held-out paragraph (and `png`, the curve) from a run's held-out lines; "" when it logged none."""
+    evals = [r for r in recs if "heldout" in r]
+    if not evals:
+        return ""
+    best_path = os.path.join(run_dir, "best.json")
+    step = json.load(open(best_path))["step"] if os.path.exists(best_path) else evals[-1]["step"]
+    plot(recs, png, best_step=step, title="training loss and held-out acceptance")
+    saved = next(r for r in evals if r["step"] == step)["heldout"]
+    L = len(next(iter(saved.values()))["c_star"])
+    table = _table(_rows(saved, L), L)
+    return f"""
+Held-out acceptance (`train/heldout.py`: teacher-forced, on sequences never trained on; c_star is the T = 1
+acceptance given the sequence's prefix, top1 the agreement with its next token, which on greedy text is the T = 0
+acceptance), evaluated {len(evals)} times during training; the shipped weights are step {step}, the best mean
+c_star (`heldout.png` plots every evaluation):
+
+{table}
+"""
+
+
+FACTORY_METRICS = "metrics.json"  # train/factory.py METRICS_FILE (not imported: the card needs no jax)
 
 
 def ship_factory(args) -> int:
@@ -95,8 +89,7 @@ def ship_factory(args) -> int:
     sections = []
     held = (metrics.get("heldout_acceptance") or {}).get(kind)
     if held:
-        rows = [f"| {name} | c_star | " + " | ".join(f"{v:.3f}" for v in held[name]) + f" | {sum(held[name]) / L:.3f} |"
-                for name in ("t1", "t0") if held.get(name)]
+        rows = _rows({name: {"c_star": held[name]} for name in ("t1", "t0") if held.get(name)}, L)
         seqs = held.get("sequences", {})
         sections.append(f"""Held-out c* from the factory run (its own held-out share: {seqs.get('t1', 0)} windows of
 T = 1 responses, {seqs.get('t0', 0)} of greedy ones; teacher-forced, before any shrinking below):
