@@ -137,3 +137,34 @@ def test_shrink_refuses_what_it_cannot_cut(tiny, tmp_path, monkeypatch):
     assert main(["shrink", str(tmp_path / "src"), str(tmp_path / "x"), "--target", str(tiny.source),
                  "--markov-rank", "9"]) == 2  # above the source's rank 8: a clear error, no file
     assert not (tmp_path / "x").exists()
+
+
+def test_init_from_a_lower_rank_computes_the_same_head_with_room_to_train(tiny, tmp_path):
+    """`drafter.init_from` may start a higher-rank run (`widen_markov`): the Markov bias and the confidence logit
+    are the source's for every previous token, and the new W1 columns are non-zero so the new W2 rows train."""
+    import dataclasses
+
+    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafter_model import DrafterModel
+    from train.fit import _to_state, init_from_params
+
+    src = _source(tiny, tmp_path, draft_vocab=tuple(sorted(SUBSET)))
+    cfg = dataclasses.replace(src.config, markov_rank=20)
+    abstract = Drafter(cfg, nnx.eval_shape(lambda: DrafterModel(cfg, rngs=nnx.Rngs(0))))
+    wide = abstract.with_params(_to_state(abstract, init_from_params(str(tmp_path / "src"),
+                                                                     nnx.to_pure_dict(abstract.params), cfg, tiny)))
+    a, b = src.module(), wide.module()
+    prev = jnp.asarray([0, 2, 3, 4, 9, 127], jnp.int32)  # in the subset and outside it
+    h = jax.random.normal(jax.random.key(2), (len(prev), tiny.config.hidden_size))
+    out = []
+    for m, R in ((a, 8), (b, 20)):
+        e = m.markov_embedding(prev)
+        out.append((m.sequential_bias(e, h, jnp.zeros((len(prev), R)))[0], m.confidence_logit(h, e)))
+    for x, y in zip(out[0], out[1], strict=True):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
+    assert np.asarray(b.markov_w1[...])[:, 8:].std() > 0.01
+    assert not np.asarray(b.markov_w2[...])[8:].any()
+    narrow = dataclasses.replace(src.config, markov_rank=4)
+    abstract = Drafter(narrow, nnx.eval_shape(lambda: DrafterModel(narrow, rngs=nnx.Rngs(0))))
+    with pytest.raises(ValueError, match="markov_rank"):
+        init_from_params(str(tmp_path / "src"), nnx.to_pure_dict(abstract.params), narrow, tiny)

@@ -146,23 +146,32 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     arrays shaped like `abstract`, for a run whose DrafterConfig `config` is the source's up to the draft
     vocabulary and the calibration. Every parameter is the source's except the Markov head's, which follow the
     tokens into the run's vocabulary (train/shrink.py `move_markov_vocab`). A source with `anchor_mode` add or
-    residual may start a fused run (`_fused_anchor`)."""
+    residual may start a fused run (`_fused_anchor`), and a Markov head a run at a higher rank (`widen_markov`:
+    the same function, new directions free to train)."""
     from dspark_jax.drafter import flat_params, load_drafter, param_key
-    from train.shrink import move_markov_vocab
+    from train.shrink import move_markov_vocab, widen_markov
 
     src = load_drafter(source, target, dtype=jnp.float32)
     loose = ("draft_vocab", "calibration", "calibration_offsets")
     mine, theirs = config.to_dict(), src.config.to_dict()
     to_fused = mine.get("anchor_mode") == "fused" and theirs.get("anchor_mode") in ("add", "residual")
+    wider = mine.get("head") == "markov" and mine["markov_rank"] > theirs["markov_rank"]
     diff = sorted(k for k in mine if k not in loose and mine[k] != theirs.get(k)
-                  and not (k == "anchor_mode" and to_fused))
+                  and not (k == "anchor_mode" and to_fused) and not (k == "markov_rank" and wider))
     if diff:
         raise ValueError(f"drafter.init_from {source!r} was trained with another drafter config (differs in "
-                         f"{diff}); only the draft vocabulary, the calibration and anchor_mode (add or residual "
-                         f"to fused) may change")
+                         f"{diff}); only the draft vocabulary, the calibration, anchor_mode (add or residual "
+                         f"to fused) and a higher Markov rank (head: markov) may change")
     flat = {k: np.asarray(x, np.float32) for k, x in flat_params(src.params).items()}
     if to_fused:
         flat.update(_fused_anchor(flat, theirs["anchor_mode"], np.asarray(target.params["embed"][...], np.float32)))
+    if wider:
+        D, with_e = config.hidden_size, "conf_w" in flat and config.confidence_with_markov
+        up = widen_markov(flat["markov_w1"], flat["markov_w2"], flat["conf_w"][D:] if with_e else None,
+                          config.markov_rank)
+        flat["markov_w1"], flat["markov_w2"] = up["w1"], up["w2"]
+        if with_e:
+            flat["conf_w"] = np.concatenate([flat["conf_w"][:D], up["w_e"]])
     if "markov_w1" in flat and src.config.draft_vocab != config.draft_vocab:
         flat["markov_w1"], flat["markov_w2"] = move_markov_vocab(flat["markov_w1"], flat["markov_w2"],
                                                                  config.vocab_size, src.config.draft_vocab,

@@ -47,6 +47,22 @@ def move_markov_vocab(w1: np.ndarray, w2: np.ndarray, vocab_size: int, src_ids, 
     return np.concatenate(rows).astype(np.float32), new_w2
 
 
+def widen_markov(w1: np.ndarray, w2: np.ndarray, w_e: np.ndarray | None, rank: int, seed: int = 0) -> dict:
+    """The Markov head at a higher `rank` computing the same function: W1's new columns drawn as a fresh head's
+    (normal, σ 0.02), W2's new rows and the confidence head's new weights zero, so W1·W2 and the confidence logit
+    are unchanged and training moves the new directions from the first step (W2's new rows get gradient W1ᵀ·g).
+    Training at a high rank and cutting back (`truncate_markov`) keeps what the high rank learned: at 300 steps
+    a rank-256 head cut to 32 scored as the rank-256 head, 0.036 held-out c* above a head trained at 32
+    (reports/2026-12-06/markov-shrink)."""
+    R = w1.shape[1]
+    if rank < R:
+        raise ValueError(f"rank {rank} is below the source's {R}: cut it with `truncate_markov` instead")
+    extra = np.random.default_rng(seed).normal(0.0, 0.02, size=(w1.shape[0], rank - R)).astype(np.float32)
+    return {"w1": np.concatenate([w1, extra], 1).astype(np.float32),
+            "w2": np.concatenate([w2, np.zeros((rank - R, w2.shape[1]), np.float32)]).astype(np.float32),
+            "w_e": None if w_e is None else np.concatenate([w_e, np.zeros(rank - R, np.float32)]).astype(np.float32)}
+
+
 def truncate_markov(w1: np.ndarray, w2: np.ndarray, w_e: np.ndarray | None, rank: int,
                     row_weights: np.ndarray | None = None) -> dict:
     """The rank-`rank` Markov head closest to W1·W2 ([rows, R] · [R, Vd]) in the Frobenius norm with rows

@@ -1,0 +1,62 @@
+"""Table and figures of the Markov-rank cut: held-out acceptance of the rank-256 arm, its cuts and the rank-32 arm
+(heldout.json, from measure.sh), the cuts' kept energy (runs/anchor-ab/shrink/*.json, copied here as cuts.json),
+and the rank-256 arm's curve beside ../anchor-ab's fused and EAGLE-3 arms.
+
+    python reports/2026-12-06/markov-shrink/summarize.py > reports/2026-12-06/markov-shrink/table.md
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.getcwd())
+from train.plots import _pyplot, plot_heldout_runs, save_figure  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+AB = os.path.join(HERE, "..", "anchor-ab")
+held = json.load(open(os.path.join(HERE, "heldout.json")))["drafters"]
+cuts_path = os.path.join(HERE, "cuts.json")
+if os.path.isdir("runs/anchor-ab/shrink"):
+    cuts = {f[:-5]: json.load(open(os.path.join("runs/anchor-ab/shrink", f)))
+            for f in sorted(os.listdir("runs/anchor-ab/shrink")) if f.endswith(".json")}
+    json.dump(cuts, open(cuts_path, "w"), indent=1)
+cuts = json.load(open(cuts_path))
+if os.path.exists("runs/anchor-ab/fused-r256/metrics.jsonl"):
+    shutil.copy("runs/anchor-ab/fused-r256/metrics.jsonl", os.path.join(HERE, "metrics-fused-r256.jsonl"))
+
+NAMES = {"runs/anchor-ab/fused/drafter": "trained at rank 32", "runs/anchor-ab/fused-r256/drafter": "trained at 256"}
+for k in held:
+    if "/shrink/" in k:
+        cut = os.path.basename(k)
+        NAMES[k] = f"256 cut to {cut[1:].split('-')[0]}" + (", rows weighted" if cut.endswith("-w") else "")
+
+rows = ["| drafter | kept energy | Markov params | t1 c* mean | t1 c* k = 1 | t1 c* k = 7 | t0 c* mean | "
+        "t0 top-1 mean | t0 top-1 k = 1 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+for k, name in NAMES.items():
+    r = held[k]
+    cut = cuts.get(os.path.basename(k), {})
+    rank = cut.get("markov_rank", {}).get("to", 256 if "r256" in k else 32)
+    energy = f"{cut['kept_energy']:.6f}" if cut else "—"
+    rows.append(f"| {name} | {energy} | {(8193 + 8192) * rank:,} | {np.mean(r['t1']['c_star']):.4f} | "
+                f"{r['t1']['c_star'][0]:.4f} | {r['t1']['c_star'][-1]:.4f} | {np.mean(r['t0']['c_star']):.4f} | "
+                f"{np.mean(r['t0']['top1']):.4f} | {r['t0']['top1'][0]:.4f} |")
+print("\n".join(rows))
+
+plt = _pyplot()
+fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+for ax, (s, m) in zip(axes, (("t1", "c_star"), ("t0", "top1")), strict=True):
+    for k in ("runs/anchor-ab/fused/drafter", "runs/anchor-ab/fused-r256/drafter", "runs/anchor-ab/shrink/r32"):
+        ax.plot(range(1, 8), held[k][s][m], marker="o", label=NAMES[k])
+    ax.set(xlabel="draft position k", ylabel=m, title=f"{s}: held-out {m} at step 300")
+    ax.grid(alpha=0.3)
+    ax.legend()
+save_figure(fig, os.path.join(HERE, "positions.png"))
+runs = {a: [json.loads(ln) for ln in open(p)] for a, p in (
+    ("fused, rank 32", os.path.join(AB, "metrics-fused.jsonl")),
+    ("fused, rank 256", os.path.join(HERE, "metrics-fused-r256.jsonl")),
+    ("EAGLE-3", os.path.join(AB, "metrics-eagle3-soft.jsonl")))}
+plot_heldout_runs(runs, os.path.join(HERE, "curves_t1.png"), set_name="t1", measure="c_star",
+                  title="300 steps: held-out c* on T = 1 text")
