@@ -8,8 +8,9 @@ gets its held-out curve (heldout.png) and the saved step's per-position held-out
 
 A drafter factory's output (scripts/drafter_factory.py: a directory with its metrics.json) is a run too: the card
 then comes from metrics.json (settings, data, steps, the factory's own held-out c*; its loss history becomes
-metrics.jsonl), plus, when given, `--heldout` (what `python -m train heldout --out` wrote for the shipped
-directory) and `--shrink` (what `python -m train shrink --report` wrote):
+metrics.jsonl), plus, when given, `--heldout` (what `python -m train heldout --out` wrote: every drafter it
+measured, the shipped one and those to compare it with) and `--shrink` (what `python -m train shrink --report`
+wrote):
 
     python scripts/ship_drafter.py factory_out dspark_jax/drafters/smollm2-135m-instruct/dspark \\
         --command "..." --heldout heldout.json --shrink shrink.json --hardware "one H200"
@@ -105,15 +106,13 @@ the product's squared norm kept); {sh['params']['from']:,} → {sh['params']['to
 """)
     if args.heldout:
         ho = json.load(open(args.heldout))
-        entries = ho["drafters"]
-        mine = [k for k in entries if os.path.abspath(k) == os.path.abspath(args.ship_dir)] or list(entries)
-        if len(mine) != 1:
-            raise SystemExit(f"--heldout {args.heldout}: which of {sorted(entries)} is this drafter?")
         sets = ", ".join(f"`{k}` = {v}" for k, v in ho["sets"].items())
-        sections.append(f"""Held-out acceptance of the shipped weights (`python -m train heldout`, {ho['sequences']}
-records a set, {ho['anchors_per_seq']} anchors per {ho['seq_len']}-token window; {sets}):
+        rows = [r for name, res in ho["drafters"].items()
+                for r in _rows({f"{name} · {k}": v for k, v in res.items()}, L)]
+        sections.append(f"""Held-out acceptance (`python -m train heldout`, {ho['sequences']} records a set,
+{ho['anchors_per_seq']} anchors per {ho['seq_len']}-token window; {sets}), for each drafter measured:
 
-{_table(_rows(entries[mine[0]], L), L)}
+{_table(rows, L)}
 """)
     text = f"""# {kind} drafter for SmolLM2-135M-Instruct
 
@@ -155,7 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--command", required=True, help="the command that trained it (recorded verbatim)")
     p.add_argument("--data", default="data/smollm2", help="prepared data directory (its metadata.json is quoted)")
     p.add_argument("--hardware", default="2 CPU cores", help="where it trained, for the card")
-    p.add_argument("--heldout", default=None, help="factory only: `train heldout --out` JSON for the shipped drafter")
+    p.add_argument("--heldout", default=None,
+                   help="factory only: `train heldout --out` JSON (every drafter in it gets its rows in the card)")
     p.add_argument("--shrink", default=None, help="factory only: `train shrink --report` JSON")
     args = p.parse_args(argv)
     if os.path.isfile(os.path.join(args.run_dir, FACTORY_METRICS)):

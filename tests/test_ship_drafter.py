@@ -74,7 +74,8 @@ def test_factory_card_from_metrics_json_with_heldout_and_shrink_reports(tmp_path
          "target_layers": [1, 15, 27], "calibration": [1.0, 1.1], "draft_vocab": list(range(300))}))
     (ship / "model.safetensors").write_bytes(b"\0" * 3_000_000)
     heldout = {"sets": {"t1": "data/t1-text"}, "sequences": 64, "seq_len": 256, "anchors_per_seq": 16,
-               "drafters": {str(ship): {"t1": {"c_star": [0.5, 0.4], "top1": [0.3, 0.2], "slots": [10, 10]}}}}
+               "drafters": {"runs/f/dspark-32": {"t1": {"c_star": [0.5, 0.4], "top1": [0.3, 0.2], "slots": [10, 10]}},
+                            "runs/f/eagle3": {"t1": {"c_star": [0.45, 0.3], "top1": [0.3, 0.2], "slots": [10, 10]}}}}
     shrink = {"draft_vocab": {"from": 49152, "to": 300}, "markov_rank": {"from": 256, "to": 32},
               "kept_energy": 0.8123, "params": {"from": 40_000_000, "to": 10_000_000}}
     (tmp_path / "heldout.json").write_text(json.dumps(heldout))
@@ -85,7 +86,8 @@ def test_factory_card_from_metrics_json_with_heldout_and_shrink_reports(tmp_path
     assert "one run on one H200" in card and "3.0 MB" in card and "300-token draft vocabulary" in card
     assert "10,500,000 tokens" in card and "101 steps of 64 windows x 16 anchors" in card
     assert "| t1 | c_star | 0.520 | 0.410 | 0.465 |" in card  # the factory's own held-out rows
-    assert "| t1 | c_star | 0.500 | 0.400 | 0.450 |" in card  # `train heldout` on the shipped weights
+    assert "| runs/f/dspark-32 · t1 | c_star | 0.500 | 0.400 | 0.450 |" in card  # `train heldout`, every drafter
+    assert "| runs/f/eagle3 · t1 | c_star | 0.450 | 0.300 | 0.375 |" in card
     assert "from 49,152 to 300 tokens and cut from rank\n256 to 32" in card and "81.2%" in card
     assert [json.loads(ln)["step"] for ln in open(ship / "metrics.jsonl")] == [1, 51, 101]
     assert (ship / "loss.png").read_bytes().startswith(b"\x89PNG")
