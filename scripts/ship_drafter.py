@@ -19,10 +19,12 @@ wrote):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import sys
+import textwrap
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -87,60 +89,55 @@ def ship_factory(args) -> int:
     size = os.path.getsize(os.path.join(args.ship_dir, "model.safetensors")) / 1e6
     head = f"`{cfg['head']}`" + (f" (rank {cfg['markov_rank']})" if cfg["head"] != "none" else "")
     vocab = f"{len(cfg['draft_vocab']):,}-token draft vocabulary" if cfg.get("draft_vocab") else "the whole vocabulary"
-    sections = []
-    held = (metrics.get("heldout_acceptance") or {}).get(kind)
-    if held:
-        rows = _rows({name: {"c_star": held[name]} for name in ("t1", "t0") if held.get(name)}, L)
+    fill = functools.partial(textwrap.fill, width=116, break_on_hyphens=False, break_long_words=False)
+    bullets = [
+        f"Architecture: {kind}, block size L = {L}, {cfg['num_layers']} layer(s), sequential head {head}, confidence "
+        f"head: {cfg['confidence']}; reads target layers {cfg['target_layers']}; {vocab}; calibration "
+        f"temperatures: {cfg['calibration'] or 'none'}.",
+        f"Weights: `model.safetensors`, bfloat16, {size:.1f} MB.",
+        f"Data: {data['prompts']:,} prompts (Magpie queries the target wrote, stdlib docstrings; none equal to an "
+        f"evaluation prompt, {data['eval_prompts_banned']:,} checked), {data['sequences']:,} responses by the target "
+        f"({data['response_tokens']:,} tokens at {data['tokens_per_s']:,.0f} tokens/s; T = {s['temperature']}, a "
+        f"share {s['greedy_share']} greedy; {data['heldout']:,} held out).",
+        f"Run: {train['steps']:,} steps of {s['batch_sequences']} windows × {s['anchors_per_seq']} anchors "
+        f"({train['anchor_blocks']:,} anchor blocks, T = {s['seq_len']}, peak lr {s['lr']}) in "
+        f"{train['seconds'] / 60:.1f} min; the whole factory run {metrics['elapsed_s'] / 60:.1f} min on "
+        f"{metrics['backend']}.",
+    ]
+    paragraphs = [
+        f"# {kind} drafter for SmolLM2-135M-Instruct",
+        fill(f"Trained by the drafter factory (`scripts/drafter_factory.py`, "
+             f"[docs/training.md](../../../../docs/training.md)) in one run on {args.hardware}; loads with "
+             f'`dspark_jax.load_drafter("smollm2-135m-instruct/{kind}", target)`.'),
+        "\n".join(fill(b, initial_indent="- ", subsequent_indent="  ") for b in bullets),
+        f"Command:\n\n```bash\n{args.command}\n```",
+        fill("`metrics.jsonl` is the training log (every 50th step), `loss.png` plots it, `train_config.json` holds "
+             "the factory's settings."),
+    ]
+    held = (metrics.get("heldout_acceptance") or {}).get(kind) or {}
+    rows = _rows({name: {"c_star": held[name]} for name in ("t1", "t0") if held.get(name)}, L)
+    if rows:
         seqs = held.get("sequences", {})
-        sections.append(f"""Held-out c* from the factory run (its own held-out share: {seqs.get('t1', 0)} windows of
-T = 1 responses, {seqs.get('t0', 0)} of greedy ones; teacher-forced, before any shrinking below):
-
-{_table(rows, L)}
-""")
+        paragraphs += [fill(f"Held-out c* from the factory run (its own held-out share: {seqs.get('t1', 0)} "
+                            f"windows of T = 1 responses, {seqs.get('t0', 0)} of greedy ones; teacher-forced, before "
+                            "any shrinking):"), _table(rows, L)]
     if args.shrink:
         sh = json.load(open(args.shrink))
-        sections.append(f"""Shrunk to ship (`python -m train shrink`, [train/shrink.py](../../../../train/shrink.py)):
-the Markov head moved from {sh['draft_vocab']['from']:,} to {sh['draft_vocab']['to']:,} tokens and cut from rank
-{sh['markov_rank']['from']} to {sh['markov_rank']['to']} (truncated SVD, {100 * sh.get('kept_energy', 1.0):.1f}% of
-the product's squared norm kept); {sh['params']['from']:,} → {sh['params']['to']:,} parameters.
-""")
+        paragraphs.append(fill(
+            f"Shrunk to ship (`python -m train shrink`, [train/shrink.py](../../../../train/shrink.py)): the Markov "
+            f"head moved from {sh['draft_vocab']['from']:,} to {sh['draft_vocab']['to']:,} tokens and cut from rank "
+            f"{sh['markov_rank']['from']} to {sh['markov_rank']['to']} (truncated SVD, "
+            f"{100 * sh.get('kept_energy', 1.0):.1f}% of the product's squared norm kept); "
+            f"{sh['params']['from']:,} → {sh['params']['to']:,} parameters."))
     if args.heldout:
         ho = json.load(open(args.heldout))
         sets = ", ".join(f"`{k}` = {v}" for k, v in ho["sets"].items())
         rows = [r for name, res in ho["drafters"].items()
                 for r in _rows({f"{name} · {k}": v for k, v in res.items()}, L)]
-        sections.append(f"""Held-out acceptance (`python -m train heldout`, {ho['sequences']} records a set,
-{ho['anchors_per_seq']} anchors per {ho['seq_len']}-token window; {sets}), for each drafter measured:
-
-{_table(rows, L)}
-""")
-    text = f"""# {kind} drafter for SmolLM2-135M-Instruct
-
-Trained by the drafter factory (`scripts/drafter_factory.py`, [docs/training.md](../../../../docs/training.md)) in
-one run on {args.hardware}; loads with `dspark_jax.load_drafter("smollm2-135m-instruct/{kind}", target)`.
-
-- Architecture: {kind}, block size L = {L}, {cfg['num_layers']} layer(s), sequential head {head}, confidence head:
-  {cfg['confidence']}; reads target layers {cfg['target_layers']}; {vocab}; calibration temperatures:
-  {cfg['calibration'] or 'none'}.
-- Weights: `model.safetensors`, bfloat16, {size:.1f} MB.
-- Data: {data['prompts']:,} prompts (Magpie queries the target wrote, stdlib docstrings; none equal to an
-  evaluation prompt, {data['eval_prompts_banned']:,} checked), {data['sequences']:,} responses by the target
-  ({data['response_tokens']:,} tokens, {data['tokens_per_s']:,.0f} tokens/s; T = {s['temperature']}, a share
-  {s['greedy_share']} greedy; {data['heldout']:,} held out).
-- Run: {train['steps']:,} steps of {s['batch_sequences']} windows x {s['anchors_per_seq']} anchors
-  ({train['anchor_blocks']:,} anchor blocks, T = {s['seq_len']}, peak lr {s['lr']}) in {train['seconds'] / 60:.1f}
-  min; the whole factory run {metrics['elapsed_s'] / 60:.1f} min on {metrics['backend']}.
-
-Command:
-
-```bash
-{args.command}
-```
-
-`metrics.jsonl` is the training log (every 50th step), `loss.png` plots it, `train_config.json` holds the factory's
-settings.
-
-""" + "\n".join(sections)
+        paragraphs += [fill(f"Held-out acceptance (`python -m train heldout`, {ho['sequences']} records a set, "
+                            f"{ho['anchors_per_seq']} anchors per {ho['seq_len']}-token window; {sets}), for each "
+                            "drafter measured:"), _table(rows, L)]
+    text = "\n\n".join(paragraphs) + "\n"
     with open(os.path.join(args.ship_dir, "README.md"), "w") as f:
         f.write(text)
     print(f"shipped {args.ship_dir}: {size:.1f} MB")

@@ -83,11 +83,13 @@ def test_factory_card_from_metrics_json_with_heldout_and_shrink_reports(tmp_path
     _script().main([str(factory), str(ship), "--command", "bash factory.sh", "--hardware", "one H200",
                     "--heldout", str(tmp_path / "heldout.json"), "--shrink", str(tmp_path / "shrink.json")])
     card = (ship / "README.md").read_text()
-    assert "one run on one H200" in card and "3.0 MB" in card and "300-token draft vocabulary" in card
-    assert "10,500,000 tokens" in card and "101 steps of 64 windows x 16 anchors" in card
+    flat = " ".join(card.split())  # prose is reflowed: match it across line breaks
+    assert "one run on one H200" in flat and "3.0 MB" in card and "300-token draft vocabulary" in card
+    assert "10,500,000 tokens" in flat and "101 steps of 64 windows × 16 anchors" in flat
     assert "| t1 | c_star | 0.520 | 0.410 | 0.465 |" in card  # the factory's own held-out rows
     assert "| runs/f/dspark-32 · t1 | c_star | 0.500 | 0.400 | 0.450 |" in card  # `train heldout`, every drafter
     assert "| runs/f/eagle3 · t1 | c_star | 0.450 | 0.300 | 0.375 |" in card
-    assert "from 49,152 to 300 tokens and cut from rank\n256 to 32" in card and "81.2%" in card
+    assert "from 49,152 to 300 tokens and cut from rank 256 to 32" in flat and "81.2%" in flat
+    assert max(len(ln) for ln in card.splitlines()) <= 120
     assert [json.loads(ln)["step"] for ln in open(ship / "metrics.jsonl")] == [1, 51, 101]
     assert (ship / "loss.png").read_bytes().startswith(b"\x89PNG")
