@@ -7,6 +7,7 @@ decoding."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -198,3 +199,23 @@ def test_context_tokens_pair_each_entry_with_the_next_token(target):
 def test_context_tokens_are_for_block_drafters(target):
     with pytest.raises(ValueError, match="context_tokens applies to block drafters"):
         DrafterConfig.for_target(target.config, kind="eagle3", num_layers=1, context_tokens=True)
+
+
+def test_markov_init_std_scales_only_w1(target):
+    """`drafter.markov_init_std`: a fresh run's Markov W1 drawn N(0, σ²) (the network's own draw, rescaled);
+    every other parameter as without it."""
+    from train.fit import init_params
+
+    cfg = DrafterConfig.for_target(target.config, kind="dspark", block_size=3, num_layers=1, markov_rank=64)
+    base, wide = init_params(cfg, 5), init_params(cfg, 5, markov_init_std=0.16)
+    np.testing.assert_allclose(np.asarray(wide["markov_w1"]), 8.0 * np.asarray(base["markov_w1"]), rtol=1e-6)
+    assert float(np.std(np.asarray(wide["markov_w1"]))) == pytest.approx(0.16, rel=0.05)
+    from dspark_jax.drafter import param_key
+
+    flat = {param_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(wide)[0]}
+    others = [(param_key(p), x) for p, x in jax.tree_util.tree_flatten_with_path(base)[0]]
+    assert len(others) > 10 and len(flat) == len(others)
+    for k, x in others:
+        if k != "markov_w1":
+            np.testing.assert_array_equal(np.asarray(flat[k]), np.asarray(x), err_msg=k)
+    assert load_config(None, ["drafter.markov_init_std=0.16"]).drafter.markov_init_std == 0.16

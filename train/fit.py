@@ -84,14 +84,21 @@ class RunPaths:
                    carry=r(cfg.run.carry_dir), vocab_file=r(cfg.drafter.draft_vocab_file))
 
 
-def init_params(drafter_cfg, seed: int, shardings=None) -> dict:
+MODEL_INIT_STD = 0.02  # dspark_jax/drafter_model.py's normal initialiser
+
+
+def init_params(drafter_cfg, seed: int, shardings=None, markov_init_std: float | None = None) -> dict:
     """A fresh float32 drafter as a pure dict, made by one jitted program straight into `shardings` (each device
     computes its own shard; None: the default device): `init_drafter(..., seed=seed)`'s parameters up to float
-    rounding (~1e-8: the same random bits, the initialisers' arithmetic fused)."""
+    rounding (~1e-8: the same random bits, the initialisers' arithmetic fused), the Markov W1 scaled to
+    `markov_init_std` when given."""
     from dspark_jax.drafter_model import DrafterModel
 
     def init():
-        return nnx.to_pure_dict(nnx.split(DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed)))[1])
+        params = nnx.to_pure_dict(nnx.split(DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed)))[1])
+        if markov_init_std is not None and "markov_w1" in params:
+            params["markov_w1"] = params["markov_w1"] * (markov_init_std / MODEL_INIT_STD)
+        return params
 
     return jax.jit(init, out_shardings=shardings)()
 
@@ -137,7 +144,8 @@ def build(cfg: TrainConfig, target=None):
     drafter = Drafter(drafter_cfg,
                       nnx.eval_shape(lambda: DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
     params = (init_from_params(cfg.drafter.init_from, nnx.to_pure_dict(drafter.params), drafter_cfg, target)
-              if cfg.drafter.init_from else init_params(drafter_cfg, cfg.drafter.init_seed))
+              if cfg.drafter.init_from else init_params(drafter_cfg, cfg.drafter.init_seed,
+                                                        markov_init_std=cfg.drafter.markov_init_std))
     return target, drafter.with_params(_to_state(drafter, params))
 
 
@@ -313,7 +321,7 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     elif cfg.drafter.init_from:
         params = place(init_from_params(cfg.drafter.init_from, abstract, drafter_cfg, target), sh.params)
     else:
-        params = init_params(drafter_cfg, cfg.drafter.init_seed, sh.params)
+        params = init_params(drafter_cfg, cfg.drafter.init_seed, sh.params, cfg.drafter.markov_init_std)
     params, opt_state = jax.jit(lambda p: init_train_state(p, tx), out_shardings=(sh.params, sh.opt),
                                 donate_argnums=0)(params)
     weights = loss_weights(cfg, drafter_cfg.kind)
