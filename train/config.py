@@ -56,8 +56,7 @@ class DrafterSection:
     overrides: dict = dataclasses.field(default_factory=dict)  # any other DrafterConfig field
     init_seed: int = 0
     # The Markov input embedding W1 drawn N(0, σ²) with this σ instead of the network's 0.02 (a fresh run only).
-    # Under Adam the bigram W1·W2 moves each step by about rank × σ × lr, so σ sets how fast the head learns
-    # (reports/2026-12-06/markov-shrink).
+    # An A/B switch (reports/2026-12-06/markov-shrink: is a higher rank's gain only a faster-moving product?).
     markov_init_std: float | None = None
     # > 0: a reduced draft vocabulary of this many tokens, the most frequent in data.path's responses
     # (train/vocab.py; dspark_jax/draft_vocab.py); 0 = the target's whole vocabulary.
