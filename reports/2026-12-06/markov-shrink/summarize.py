@@ -1,6 +1,6 @@
 """Table and figures of the Markov-rank cut: held-out acceptance of the rank-256 arm, its cuts and the rank-32 arm
 (heldout.json, from measure.sh), the cuts' kept energy (runs/anchor-ab/shrink/*.json, copied here as cuts.json),
-and the rank-256 arm's curve beside ../anchor-ab's fused and EAGLE-3 arms.
+and the curves of the rank and W1-scale arms (ab.sh, ab2.sh) beside ../anchor-ab's fused and EAGLE-3 arms.
 
     python reports/2026-12-06/markov-shrink/summarize.py > reports/2026-12-06/markov-shrink/table.md
 """
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.getcwd())
-from train.plots import _pyplot, plot_heldout_runs, save_figure  # noqa: E402
+from train.plots import _pyplot, heldout_table, plot_heldout_runs, save_figure  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AB = os.path.join(HERE, "..", "anchor-ab")
@@ -24,8 +24,10 @@ if os.path.isdir("runs/anchor-ab/shrink"):
             for f in sorted(os.listdir("runs/anchor-ab/shrink")) if f.endswith(".json")}
     json.dump(cuts, open(cuts_path, "w"), indent=1)
 cuts = json.load(open(cuts_path))
-if os.path.exists("runs/anchor-ab/fused-r256/metrics.jsonl"):
-    shutil.copy("runs/anchor-ab/fused-r256/metrics.jsonl", os.path.join(HERE, "metrics-fused-r256.jsonl"))
+ARMS = ("fused-r256", "fused-r32-s016", "fused-r256-s006")  # ab.sh, ab2.sh
+for arm in ARMS:
+    if os.path.exists(f"runs/anchor-ab/{arm}/metrics.jsonl"):
+        shutil.copy(f"runs/anchor-ab/{arm}/metrics.jsonl", os.path.join(HERE, f"metrics-{arm}.jsonl"))
 
 NAMES = {"runs/anchor-ab/fused/drafter": "trained at rank 32", "runs/anchor-ab/fused-r256/drafter": "trained at 256"}
 for k in held:
@@ -55,8 +57,13 @@ for ax, (s, m) in zip(axes, (("t1", "c_star"), ("t0", "top1")), strict=True):
     ax.legend()
 save_figure(fig, os.path.join(HERE, "positions.png"))
 runs = {a: [json.loads(ln) for ln in open(p)] for a, p in (
-    ("fused, rank 32", os.path.join(AB, "metrics-fused.jsonl")),
-    ("fused, rank 256", os.path.join(HERE, "metrics-fused-r256.jsonl")),
+    ("rank 32, σ 0.02", os.path.join(AB, "metrics-fused.jsonl")),
+    ("rank 32, σ 0.16", os.path.join(HERE, "metrics-fused-r32-s016.jsonl")),
+    ("rank 256, σ 0.02", os.path.join(HERE, "metrics-fused-r256.jsonl")),
+    ("rank 256, σ 0.06", os.path.join(HERE, "metrics-fused-r256-s006.jsonl")),
     ("EAGLE-3", os.path.join(AB, "metrics-eagle3-soft.jsonl")))}
 plot_heldout_runs(runs, os.path.join(HERE, "curves_t1.png"), set_name="t1", measure="c_star",
                   title="300 steps: held-out c* on T = 1 text")
+print()
+print(heldout_table(runs, [("t1 c* mean", "t1", "c_star", None), ("t1 c* k = 1", "t1", "c_star", 0),
+                           ("t1 c* k = 7", "t1", "c_star", -1), ("t0 top-1 mean", "t0", "top1", None)]))
