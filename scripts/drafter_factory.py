@@ -72,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ("batch_sequences", "sequences per training batch"), ("anchors_per_seq", "anchors per sequence"),
         ("train_steps", "the most training steps (the schedule spans what the train phase's time holds at "
                         "the pace of the first steps)"),
-        ("dspark_layers", "DSpark layers"), ("dflash_layers", "DFlash layers"), ("markov_rank", "DSpark rank R"),
+        ("dspark_layers", "DSpark layers"), ("dflash_layers", "DFlash layers"),
+        ("markov_rank", "DSpark's Markov rank R in training"),
+        ("written_markov_rank", "the rank DSpark's Markov head is cut to before evaluation and the files"),
         ("max_query_tokens", "Magpie query cap"), ("max_prompt_tokens", "longer chat-templated prompts left out"),
         ("block_size", "draft block L"), ("seed", "everything seeded"),
     ]:

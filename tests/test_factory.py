@@ -60,7 +60,7 @@ def test_factory_end_to_end(model_dir, tmp_path, monkeypatch):
                  "--max-query-tokens", "16", "--max-prompt-tokens", "48", "--gen-tokens", "1500",
                  "--gen-batch", "16", "--max-new-tokens", "24", "--seq-len", "64", "--batch-sequences", "4",
                  "--anchors-per-seq", "4", "--train-steps", "12", "--dspark-layers", "1", "--dflash-layers", "1",
-                 "--markov-rank", "8", "--heldout-share", "0.25", "--lr", "0.01"])
+                 "--markov-rank", "8", "--written-markov-rank", "4", "--heldout-share", "0.25", "--lr", "0.01"])
     assert seen["metrics"]["heldout_acceptance"] is None and set(seen["metrics"]["drafters"]) == {"dspark", "eagle3"}
     assert factory.LOG_FILE in seen["files"] and "train:" in (out / factory.LOG_FILE).read_text()
     files = sorted(os.listdir(out))
@@ -70,6 +70,10 @@ def test_factory_end_to_end(model_dir, tmp_path, monkeypatch):
     metrics = json.loads((out / factory.METRICS_FILE).read_text())
     assert metrics["data"]["response_tokens"] > 0 and metrics["train"]["steps"] == 12
     assert metrics["data"]["eval_prompts_banned"] == 1
+    # DSpark trained at rank 8, written (and evaluated) cut to 4
+    assert metrics["drafters"]["dspark"]["config"]["markov_rank"] == 4
+    assert metrics["train"]["cut"]["dspark"]["markov_rank"] == {"from": 8, "to": 4}
+    assert 0 < metrics["train"]["cut"]["dspark"]["kept_energy"] <= 1
     for kind in ("dspark", "eagle3"):
         held = metrics["heldout_acceptance"][kind]
         assert len(held["t1"]) == 7 and all(0 <= c <= 1 for c in held["t1"])
@@ -128,16 +132,21 @@ def test_planned_files_fit_the_smollm2_shapes():
         config = cfg
 
     def files(**kw):
-        return factory.planned_files(factory.drafter_configs(Shape, factory.FactorySettings(**kw)))
+        s = factory.FactorySettings(**kw)
+        return factory.planned_files(factory.written_configs(factory.drafter_configs(Shape, s), s))
 
     assert sum(files().values()) == factory.MAX_FILES, files()  # DSpark at rank 256 takes five
-    assert sum(files(kinds=("dspark", "eagle3", "dflash"), markov_rank=128).values()) <= factory.MAX_FILES
+    # trained at a higher rank, DSpark is written cut to written_markov_rank: the same files
+    assert files(markov_rank=1024) == files()
+    assert sum(files(kinds=("dspark", "eagle3", "dflash"), written_markov_rank=128).values()) <= factory.MAX_FILES
     assert sum(files(kinds=("dspark", "eagle3", "dflash")).values()) > factory.MAX_FILES
 
 
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="kinds"):
         factory.FactorySettings(kinds=("medusa",))
+    with pytest.raises(ValueError, match="written_markov_rank"):
+        factory.FactorySettings(markov_rank=64, written_markov_rank=128)
     with pytest.raises(ValueError, match="leave time"):
         factory.FactorySettings(prompt_share=0.5, data_share=0.3, train_share=0.3)
 

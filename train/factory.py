@@ -93,6 +93,10 @@ class FactorySettings:
     dspark_layers: int = 2
     dflash_layers: int = 2
     markov_rank: int = 256  # DeepSpec's; at 300 steps it beat 32 by 0.03 held-out c* (reports/2026-12-05/loss-ab)
+    # DSpark's Markov head is cut to this rank (train/shrink.py, the truncated SVD of W1·W2) before the held-out
+    # evaluation and the files: trained at a rank above what the files hold, it keeps what that rank learned
+    # (a rank-256 head cut to 32 scored as before: reports/2026-12-06/markov-shrink).
+    written_markov_rank: int = 256
     # EAGLE-3's fused input in the anchor slot: at 300 steps, position-1 held-out c* on T = 1 text 0.287 against
     # `add`'s 0.212 (EAGLE-3 0.297; reports/2026-12-06/anchor-ab)
     anchor_mode: str = "fused"
@@ -125,6 +129,9 @@ class FactorySettings:
         bad = sorted(set(self.kinds) - {"dspark", "eagle3", "dflash"})
         if bad or not self.kinds:
             raise ValueError(f"kinds must be some of dspark, eagle3, dflash; got {self.kinds}")
+        if not 0 < self.written_markov_rank <= self.markov_rank:
+            raise ValueError(f"written_markov_rank {self.written_markov_rank} must be in [1, markov_rank "
+                             f"{self.markov_rank}]")
         if not 0 <= self.greedy_share <= 1 or not 0 < self.heldout_share < 1:
             raise ValueError(f"{self.greedy_share=} must lie in [0, 1], {self.heldout_share=} in (0, 1)")
 
@@ -164,6 +171,25 @@ def drafter_configs(target, s: FactorySettings) -> dict:
     if len({c.target_layers for c in cfgs.values()}) != 1:
         raise ValueError("the drafters read different target layers: one shared target forward cannot feed them")
     return cfgs
+
+
+def written_configs(cfgs: dict, s: FactorySettings) -> dict:
+    """{kind: DrafterConfig} of the drafters as written: DSpark's Markov head at `s.written_markov_rank`."""
+    return {k: dataclasses.replace(c, markov_rank=min(c.markov_rank, s.written_markov_rank)) if k == "dspark" else c
+            for k, c in cfgs.items()}
+
+
+def cut_drafters(drafters: dict, s: FactorySettings, log) -> dict:
+    """DSpark's Markov head cut to `s.written_markov_rank` (train/shrink.py); returns {kind: shrink report}."""
+    from train.shrink import shrink_drafter
+
+    reports = {}
+    d = drafters.get("dspark")
+    if d is not None and d.config.markov_rank > s.written_markov_rank:
+        drafters["dspark"], reports["dspark"] = shrink_drafter(d, markov_rank=s.written_markov_rank)
+        log(f"dspark: Markov head cut from rank {d.config.markov_rank} to {s.written_markov_rank}, "
+            f"{100 * reports['dspark']['kept_energy']:.2f}% of W1·W2's squared norm kept")
+    return reports
 
 
 def planned_files(cfgs: dict) -> dict[str, int]:
@@ -457,13 +483,14 @@ def run_factory(target, out_dir: str, s: FactorySettings, *, banned: frozenset[s
             f.write(line + "\n")
 
     cfgs = drafter_configs(target, s)
-    files = planned_files(cfgs)
+    files = planned_files(written_configs(cfgs, s))
     if sum(files.values()) > MAX_FILES:
         raise ValueError(f"these drafters need {files} files, more than {MAX_FILES}: drop a kind or shrink them")
     log(f"backend {jax.default_backend()}, target {target.source} ({target.dtype}), settings {dataclasses.asdict(s)}")
     prompts = collect_prompts(target, s, budget, log, banned)
     data = generate_data(target, prompts, s, budget, log)
     drafters, train_stats = train_drafters(target, cfgs, data, s, budget, log)
+    train_stats["cut"] = cut_drafters(drafters, s, log)
     metrics = {
         "settings": dataclasses.asdict(s), "backend": jax.default_backend(), "target": target.source,
         "data": {"prompts": len(prompts), "eval_prompts_banned": len(banned), "sequences": len(data["sequences"]),

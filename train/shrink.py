@@ -101,28 +101,39 @@ def truncate_markov(w1: np.ndarray, w2: np.ndarray, w_e: np.ndarray | None, rank
 
 def shrink(source: str, target, *, draft_vocab=None, markov_rank: int | None = None,
            counts: np.ndarray | None = None):
-    """The drafter at `source` (a directory or a shipped name) with its Markov head moved to `draft_vocab`
-    (sorted target ids; None keeps the source's) and cut to `markov_rank` (None keeps it). `counts` [V]: how
-    often each target token occurs in text like the drafter's (`train.vocab.response_token_counts`), to weight
-    the truncation by (None: every row alike). Returns (Drafter in float32, report dict)."""
+    """The drafter at `source` (a directory or a shipped name), loaded in float32, through `shrink_drafter`.
+    Returns (Drafter in float32, report dict)."""
+    import jax.numpy as jnp
+
+    from dspark_jax.drafter import load_drafter
+
+    drafter, report = shrink_drafter(load_drafter(source, target, dtype=jnp.float32), draft_vocab=draft_vocab,
+                                     markov_rank=markov_rank, counts=counts)
+    return drafter, {"source": str(source), **report}
+
+
+def shrink_drafter(src, *, draft_vocab=None, markov_rank: int | None = None, counts: np.ndarray | None = None):
+    """A DSpark Drafter with its Markov head moved to `draft_vocab` (sorted target ids; None keeps the source's)
+    and cut to `markov_rank` (None keeps it). `counts` [V]: how often each target token occurs in text like the
+    drafter's (`train.vocab.response_token_counts`), to weight the truncation by (None: every row alike).
+    Returns (Drafter in float32, report dict)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from dspark_jax.drafter import Drafter, flat_params, load_drafter, param_key
+    from dspark_jax.drafter import Drafter, flat_params, param_key
     from dspark_jax.drafter_model import DrafterModel
 
-    src = load_drafter(source, target, dtype=jnp.float32)
     cfg = src.config
     if cfg.kind != "dspark" or cfg.head != "markov":
-        raise ValueError(f"shrink needs a DSpark drafter with the Markov head (head: markov); {source!r} is "
+        raise ValueError(f"shrink needs a DSpark drafter with the Markov head (head: markov); this one is "
                          f"{cfg.kind} with head {cfg.head!r}")
-    flat = {k: np.asarray(x, np.float32) for k, x in flat_params(src.params).items()}
+    flat = {k: np.asarray(jax.device_get(x), np.float32) for k, x in flat_params(src.params).items()}
     V, R = cfg.vocab_size, cfg.markov_rank
     ids = tuple(cfg.draft_vocab) if draft_vocab is None else tuple(sorted({int(t) for t in draft_vocab}))
     if ids and not 0 <= ids[0] <= ids[-1] < V:
         raise ValueError(f"draft vocabulary ids must lie in [0, {V})")
-    report = {"source": str(source), "draft_vocab": {"from": len(cfg.draft_vocab) or V, "to": len(ids) or V},
+    report = {"draft_vocab": {"from": len(cfg.draft_vocab) or V, "to": len(ids) or V},
               "markov_rank": {"from": R, "to": markov_rank or R}}
     w1, w2 = flat["markov_w1"], flat["markov_w2"]
     if ids != tuple(cfg.draft_vocab):
