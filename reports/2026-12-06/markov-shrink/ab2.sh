@@ -16,4 +16,6 @@ run() {
 O='num_layers: 2, anchor_feature: true, anchor_mode: fused'
 run fused-r32-s016 --set "drafter.overrides={$O, markov_rank: 32}" --set drafter.markov_init_std=0.16
 run fused-r256-s006 --set "drafter.overrides={$O, markov_rank: 256}" --set drafter.markov_init_std=0.06
+# Rank, not scale: does a rank beyond DeepSpec's 256 help further?
+run fused-r1024 --set "drafter.overrides={$O, markov_rank: 1024}"
 echo "== all done $(date -u +%T)"
