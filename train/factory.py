@@ -92,10 +92,12 @@ class FactorySettings:
     block_size: int = 7
     dspark_layers: int = 2
     dflash_layers: int = 2
-    markov_rank: int = 256  # DeepSpec's; at 300 steps it beat 32 by 0.03 held-out c* (reports/2026-12-05/loss-ab)
-    # DSpark's Markov head is cut to this rank (train/shrink.py, the truncated SVD of W1·W2) before the held-out
-    # evaluation and the files: trained at a rank above what the files hold, it keeps what that rank learned
-    # (a rank-256 head cut to 32 scored as before: reports/2026-12-06/markov-shrink).
+    # DSpark's Markov rank in training. At 300 steps, held-out c* on T = 1 text 0.180 at rank 32, 0.216 at DeepSpec's
+    # 256, 0.236 at 1,024 (EAGLE-3 0.272), all at positions 2-7 (reports/2026-12-06/markov-shrink).
+    markov_rank: int = 1024
+    # ... and the rank its head is cut to (train/shrink.py, the truncated SVD of W1·W2) before the held-out
+    # evaluation and the files, which hold rank 256 over the whole vocabulary: the rank-1,024 head cut to 256
+    # scored 0.2356, to 32 0.2345 (the shipped size).
     written_markov_rank: int = 256
     # EAGLE-3's fused input in the anchor slot: at 300 steps, position-1 held-out c* on T = 1 text 0.287 against
     # `add`'s 0.212 (EAGLE-3 0.297; reports/2026-12-06/anchor-ab)

@@ -18,29 +18,32 @@ from train.plots import _pyplot, heldout_table, plot_heldout_runs, save_figure  
 HERE = os.path.dirname(os.path.abspath(__file__))
 AB = os.path.join(HERE, "..", "anchor-ab")
 held = json.load(open(os.path.join(HERE, "heldout.json")))["drafters"]
+held.update(json.load(open(os.path.join(HERE, "heldout-r1024.json")))["drafters"])  # measure2.sh
 cuts_path = os.path.join(HERE, "cuts.json")
-if os.path.isdir("runs/anchor-ab/shrink"):
-    cuts = {f[:-5]: json.load(open(os.path.join("runs/anchor-ab/shrink", f)))
-            for f in sorted(os.listdir("runs/anchor-ab/shrink")) if f.endswith(".json")}
+if os.path.isdir("runs/anchor-ab/shrink1024"):
+    cuts = {f"{d}/{f[:-5]}": json.load(open(os.path.join("runs/anchor-ab", d, f)))
+            for d in ("shrink", "shrink1024") for f in sorted(os.listdir(os.path.join("runs/anchor-ab", d)))
+            if f.endswith(".json")}
     json.dump(cuts, open(cuts_path, "w"), indent=1)
 cuts = json.load(open(cuts_path))
-ARMS = ("fused-r256", "fused-r32-s016", "fused-r256-s006")  # ab.sh, ab2.sh
+ARMS = ("fused-r256", "fused-r32-s016", "fused-r256-s006", "fused-r1024")  # ab.sh, ab2.sh
 for arm in ARMS:
     if os.path.exists(f"runs/anchor-ab/{arm}/metrics.jsonl"):
         shutil.copy(f"runs/anchor-ab/{arm}/metrics.jsonl", os.path.join(HERE, f"metrics-{arm}.jsonl"))
 
-NAMES = {"runs/anchor-ab/fused/drafter": "trained at rank 32", "runs/anchor-ab/fused-r256/drafter": "trained at 256"}
+NAMES = {"runs/anchor-ab/fused/drafter": "trained at rank 32", "runs/anchor-ab/fused-r256/drafter": "trained at 256",
+         "runs/anchor-ab/fused-r1024/drafter": "trained at 1024"}
 for k in held:
-    if "/shrink/" in k:
-        cut = os.path.basename(k)
-        NAMES[k] = f"256 cut to {cut[1:].split('-')[0]}" + (", rows weighted" if cut.endswith("-w") else "")
+    if "/shrink" in k:
+        cut, src = os.path.basename(k), "1024" if "/shrink1024/" in k else "256"
+        NAMES[k] = f"{src} cut to {cut[1:].split('-')[0]}" + (", rows weighted" if cut.endswith("-w") else "")
 
 rows = ["| drafter | kept energy | Markov params | t1 c* mean | t1 c* k = 1 | t1 c* k = 7 | t0 c* mean | "
         "t0 top-1 mean | t0 top-1 k = 1 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for k, name in NAMES.items():
     r = held[k]
-    cut = cuts.get(os.path.basename(k), {})
-    rank = cut.get("markov_rank", {}).get("to", 256 if "r256" in k else 32)
+    cut = cuts.get("/".join(k.split("/")[-2:]), {})
+    rank = cut.get("markov_rank", {}).get("to", {"r256": 256, "r1024": 1024}.get(k.split("-")[-1].split("/")[0], 32))
     energy = f"{cut['kept_energy']:.6f}" if cut else "—"
     rows.append(f"| {name} | {energy} | {(8193 + 8192) * rank:,} | {np.mean(r['t1']['c_star']):.4f} | "
                 f"{r['t1']['c_star'][0]:.4f} | {r['t1']['c_star'][-1]:.4f} | {np.mean(r['t0']['c_star']):.4f} | "
@@ -61,6 +64,7 @@ runs = {a: [json.loads(ln) for ln in open(p)] for a, p in (
     ("rank 32, σ 0.16", os.path.join(HERE, "metrics-fused-r32-s016.jsonl")),
     ("rank 256, σ 0.02", os.path.join(HERE, "metrics-fused-r256.jsonl")),
     ("rank 256, σ 0.06", os.path.join(HERE, "metrics-fused-r256-s006.jsonl")),
+    ("rank 1024", os.path.join(HERE, "metrics-fused-r1024.jsonl")),
     ("EAGLE-3", os.path.join(AB, "metrics-eagle3-soft.jsonl")))}
 plot_heldout_runs(runs, os.path.join(HERE, "curves_t1.png"), set_name="t1", measure="c_star",
                   title="300 steps: held-out c* on T = 1 text")
