@@ -29,6 +29,7 @@ from dspark_jax.drafter_config import DrafterConfig
 from dspark_jax.kv_cache import write_kv
 from dspark_jax.layers import Projections, RMSNorm, SwiGLU, apply_rope, attention, rope_inv_freq
 
+INIT_STD = 0.02  # σ of the normal initialiser of every freshly drawn weight matrix
 
 def calibration(cfg: DrafterConfig):
     """(temperatures [L], offsets [L]) of the confidence's post-hoc calibration, c_k = σ(z_k / T_k + b_k)
@@ -133,7 +134,7 @@ class Eagle3ConcatLayer(DrafterLayer):
                                 head_dim=cfg.head_dim, bias=False, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
                                 dtype=dtype, rngs=rngs)
         # q, k, v read the 2D-wide concatenation; the output projection writes the D-wide residual stream.
-        self.attn.o = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.num_heads, cfg.head_dim, D),
+        self.attn.o = nnx.Param(nnx.initializers.normal(INIT_STD)(rngs.params(), (cfg.num_heads, cfg.head_dim, D),
                                                                  dtype))
         self.mlp_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLU(dim=D, ffn=cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
@@ -155,7 +156,7 @@ class DrafterModel(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         D, R, V = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
-        init = nnx.initializers.normal(0.02)
+        init = nnx.initializers.normal(INIT_STD)
         self.fc = nnx.Param(init(rngs.params(), (len(cfg.target_layers) * D, D), dtype))
         if cfg.feature_norm:  # one RMSNorm scale per target layer, applied before fc
             self.feature_norm = nnx.Param(jnp.ones((len(cfg.target_layers), D), dtype))

@@ -115,7 +115,7 @@ def _vocab(args) -> None:
     import numpy as np
 
     from dspark_jax.target import load_target
-    from train.vocab import _write_json, outside_mass, read_records, select_by_mass, target_mass
+    from train.vocab import _write_json, outside_mass, read_records, read_vocab_file, select_by_mass, target_mass
 
     target = load_target(args.target)
     records = read_records(args.text)
@@ -131,8 +131,7 @@ def _vocab(args) -> None:
               "chosen": {"size": len(ids), "outside_mass_held_out": round(outside, 5)}, "compared": {},
               "curve": {}}
     for path in args.compare:
-        with open(path) as f:
-            other = json.load(f)["ids"]
+        other = read_vocab_file(path)
         report["compared"][path] = {"size": len(other),
                                     "outside_mass_held_out": round(outside_mass(other, held_mass, held_pos), 5)}
     order = np.lexsort((np.arange(len(fit_mass)), -fit_mass))
@@ -152,7 +151,8 @@ def _shrink(args) -> None:
 
     from dspark_jax.target import load_target
     from train.fit import save_drafter
-    from train.shrink import bytes_on_disk, read_vocab_file, shrink
+    from train.shrink import bytes_on_disk, shrink
+    from train.vocab import read_vocab_file
 
     target = load_target(args.target)
     counts = None

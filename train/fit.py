@@ -84,20 +84,17 @@ class RunPaths:
                    carry=r(cfg.run.carry_dir), vocab_file=r(cfg.drafter.draft_vocab_file))
 
 
-MODEL_INIT_STD = 0.02  # dspark_jax/drafter_model.py's normal initialiser
-
-
 def init_params(drafter_cfg, seed: int, shardings=None, markov_init_std: float | None = None) -> dict:
     """A fresh float32 drafter as a pure dict, made by one jitted program straight into `shardings` (each device
     computes its own shard; None: the default device): `init_drafter(..., seed=seed)`'s parameters up to float
     rounding (~1e-8: the same random bits, the initialisers' arithmetic fused), the Markov W1 scaled to
     `markov_init_std` when given."""
-    from dspark_jax.drafter_model import DrafterModel
+    from dspark_jax.drafter_model import INIT_STD, DrafterModel
 
     def init():
         params = nnx.to_pure_dict(nnx.split(DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed)))[1])
         if markov_init_std is not None and "markov_w1" in params:
-            params["markov_w1"] = params["markov_w1"] * (markov_init_std / MODEL_INIT_STD)
+            params["markov_w1"] = params["markov_w1"] * (markov_init_std / INIT_STD)
         return params
 
     return jax.jit(init, out_shardings=shardings)()
@@ -154,10 +151,10 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     arrays shaped like `abstract`, for a run whose DrafterConfig `config` is the source's up to the draft
     vocabulary and the calibration. Every parameter is the source's except the Markov head's, which follow the
     tokens into the run's vocabulary (train/shrink.py `move_markov_vocab`). A source with `anchor_mode` add or
-    residual may start a fused run (`_fused_anchor`), and a Markov head a run at a higher rank (`widen_markov`:
+    residual may start a fused run (`_fused_anchor`), and a Markov head a run at a higher rank (`resize_markov`:
     the same function, new directions free to train)."""
     from dspark_jax.drafter import flat_params, load_drafter, param_key
-    from train.shrink import move_markov_vocab, widen_markov
+    from train.shrink import move_markov_vocab, resize_markov
 
     src = load_drafter(source, target, dtype=jnp.float32)
     loose = ("draft_vocab", "calibration", "calibration_offsets")
@@ -174,12 +171,7 @@ def init_from_params(source: str, abstract: dict, config, target) -> dict:
     if to_fused:
         flat.update(_fused_anchor(flat, theirs["anchor_mode"], np.asarray(target.params["embed"][...], np.float32)))
     if wider:
-        D, with_e = config.hidden_size, "conf_w" in flat and config.confidence_with_markov
-        up = widen_markov(flat["markov_w1"], flat["markov_w2"], flat["conf_w"][D:] if with_e else None,
-                          config.markov_rank)
-        flat["markov_w1"], flat["markov_w2"] = up["w1"], up["w2"]
-        if with_e:
-            flat["conf_w"] = np.concatenate([flat["conf_w"][:D], up["w_e"]])
+        resize_markov(flat, src.config, config.markov_rank)
     if "markov_w1" in flat and src.config.draft_vocab != config.draft_vocab:
         flat["markov_w1"], flat["markov_w2"] = move_markov_vocab(flat["markov_w1"], flat["markov_w2"],
                                                                  config.vocab_size, src.config.draft_vocab,

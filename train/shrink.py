@@ -16,7 +16,6 @@ kept: run `python -m train calibrate` on the result before shipping it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
@@ -54,10 +53,12 @@ def widen_markov(w1: np.ndarray, w2: np.ndarray, w_e: np.ndarray | None, rank: i
     Training at a high rank and cutting back (`truncate_markov`) keeps what the high rank learned: at 300 steps
     a rank-256 head cut to 32 scored as the rank-256 head, 0.036 held-out c* above a head trained at 32
     (reports/2026-12-06/markov-shrink)."""
+    from dspark_jax.drafter_model import INIT_STD
+
     R = w1.shape[1]
     if rank < R:
         raise ValueError(f"rank {rank} is below the source's {R}: cut it with `truncate_markov` instead")
-    extra = np.random.default_rng(seed).normal(0.0, 0.02, size=(w1.shape[0], rank - R)).astype(np.float32)
+    extra = np.random.default_rng(seed).normal(0.0, INIT_STD, size=(w1.shape[0], rank - R)).astype(np.float32)
     return {"w1": np.concatenate([w1, extra], 1).astype(np.float32),
             "w2": np.concatenate([w2, np.zeros((rank - R, w2.shape[1]), np.float32)]).astype(np.float32),
             "w_e": None if w_e is None else np.concatenate([w_e, np.zeros(rank - R, np.float32)]).astype(np.float32)}
@@ -99,6 +100,26 @@ def truncate_markov(w1: np.ndarray, w2: np.ndarray, w_e: np.ndarray | None, rank
     return out
 
 
+def resize_markov(flat: dict, cfg, rank: int, row_weights: np.ndarray | None = None) -> dict:
+    """A DSpark's Markov head in `flat` (its parameters by dotted name, float32; `cfg` its DrafterConfig, whose
+    draft vocabulary W1 and W2 already have) set to `rank` in place: widened (`widen_markov`) or cut
+    (`truncate_markov`, rows weighted by `row_weights`), W1, W2 and the confidence head's weights on W1[x] (the
+    last R of conf_w, and conf_b for a cut) together. Returns {"kept_energy": …} for a cut, {} otherwise."""
+    D, with_e = cfg.hidden_size, cfg.confidence and cfg.confidence_with_markov
+    w1, w2, w_e = flat["markov_w1"], flat["markov_w2"], flat["conf_w"][D:] if with_e else None
+    if rank >= w1.shape[1]:
+        out, report = widen_markov(w1, w2, w_e, rank), {}
+    else:
+        out = truncate_markov(w1, w2, w_e, rank, row_weights)
+        report = {"kept_energy": round(out["kept_energy"], 6)}
+        if with_e:
+            flat["conf_b"] = np.asarray(flat["conf_b"] + out["bias_shift"], np.float32)
+    flat["markov_w1"], flat["markov_w2"] = out["w1"], out["w2"]
+    if with_e:
+        flat["conf_w"] = np.concatenate([flat["conf_w"][:D], out["w_e"]])
+    return report
+
+
 def shrink(source: str, target, *, draft_vocab=None, markov_rank: int | None = None,
            counts: np.ndarray | None = None):
     """The drafter at `source` (a directory or a shipped name), loaded in float32, through `shrink_drafter`.
@@ -133,13 +154,13 @@ def shrink_drafter(src, *, draft_vocab=None, markov_rank: int | None = None, cou
     ids = tuple(cfg.draft_vocab) if draft_vocab is None else tuple(sorted({int(t) for t in draft_vocab}))
     if ids and not 0 <= ids[0] <= ids[-1] < V:
         raise ValueError(f"draft vocabulary ids must lie in [0, {V})")
+    if markov_rank is not None and not 0 < markov_rank <= R:
+        raise ValueError(f"rank {markov_rank} must be in [1, {R}] (the source's Markov rank): shrink only cuts")
     report = {"draft_vocab": {"from": len(cfg.draft_vocab) or V, "to": len(ids) or V},
               "markov_rank": {"from": R, "to": markov_rank or R}}
-    w1, w2 = flat["markov_w1"], flat["markov_w2"]
     if ids != tuple(cfg.draft_vocab):
-        w1, w2 = move_markov_vocab(w1, w2, V, cfg.draft_vocab, ids)
-    conf_w = flat.get("conf_w")
-    with_e = cfg.confidence and cfg.confidence_with_markov
+        flat["markov_w1"], flat["markov_w2"] = move_markov_vocab(flat["markov_w1"], flat["markov_w2"], V,
+                                                                 cfg.draft_vocab, ids)
     if markov_rank is not None and markov_rank != R:
         weights = None
         if counts is not None:
@@ -150,14 +171,7 @@ def shrink_drafter(src, *, draft_vocab=None, markov_rank: int | None = None, cou
             if ids:  # the shared outside row is read for every token outside the subset
                 per_row = np.append(per_row, counts.sum() - per_row.sum())
             weights = np.sqrt(per_row + 1.0)  # + 1: a token never seen still counts a little
-        cut = truncate_markov(w1, w2, conf_w[cfg.hidden_size:] if with_e else None, markov_rank, weights)
-        w1, w2 = cut["w1"], cut["w2"]
-        if with_e:
-            flat["conf_w"] = np.concatenate([conf_w[: cfg.hidden_size], cut["w_e"]])
-            flat["conf_b"] = np.asarray(flat["conf_b"] + cut["bias_shift"], np.float32)
-        report["kept_energy"] = round(cut["kept_energy"], 6)
-        report["weighted_by_counts"] = counts is not None
-    flat["markov_w1"], flat["markov_w2"] = w1, w2
+        report.update(resize_markov(flat, cfg, markov_rank, weights), weighted_by_counts=counts is not None)
     new_cfg = dataclasses.replace(cfg, draft_vocab=ids, markov_rank=markov_rank or R)
     model = nnx.eval_shape(lambda: DrafterModel(new_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     drafter = Drafter(new_cfg, model)
@@ -169,13 +183,6 @@ def shrink_drafter(src, *, draft_vocab=None, markov_rank: int | None = None, cou
     nnx.replace_by_pure_dict(drafter.params, pure)
     report["params"] = {"from": src.num_params(), "to": drafter.num_params()}
     return drafter, report
-
-
-def read_vocab_file(path: str) -> tuple[int, ...]:
-    """A draft-vocabulary file's token ids ({"ids": [...]}, what `python -m train vocab --out` writes)."""
-    with open(path) as f:
-        ids = json.load(f)["ids"]
-    return tuple(int(t) for t in ids)
 
 
 def bytes_on_disk(directory: str) -> int:

@@ -83,6 +83,11 @@ def run_vocabulary(out_dir, data_dir, size: int, vocab_size: int, always=(), sha
     return tuple(int(i) for i in saved["ids"])
 
 
+def read_vocab_file(path) -> tuple[int, ...]:
+    """A draft-vocabulary file's token ids ({"ids": [...]}, what `python -m train vocab --out` writes)."""
+    return tuple(int(t) for t in json.loads(epath.Path(path).read_text())["ids"])
+
+
 def _write_json(path, obj) -> None:
     path = epath.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
