@@ -7,6 +7,9 @@ knows llama.cpp's. `read_gguf(path)` returns
     `torch.nn.Linear.weight`, e.g. `model.layers.N.self_attn.q_proj.weight` is [N*H, D],
     `model.embed_tokens.weight` is [V, D].
 `load_tokenizer(kind, path)` returns a transformers tokenizer with its chat template, without the network.
+A GGUF's byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2": SmolLM2, Llama 3, Qwen) is built here with
+the `tokenizers` library, splitting text as llama.cpp does for the file's `tokenizer.ggml.pre`; transformers'
+own GGUF reader needs torch, which serving on an accelerator does not install.
 
 llama.cpp conventions undone here:
   * GGUF lists a tensor's dims fastest-first (ggml `ne`), so an HF [out, in] matrix is stored as shape
@@ -199,6 +202,79 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict | None:
     return {"rope_type": rope_type, **{mapping[k]: v for k, v in present.items()}}
 
 
+# llama.cpp's pre-tokenizer types (`tokenizer.ggml.pre`, llama-vocab.cpp) -> how the text is split before BPE.
+# "gpt2": GPT-2's regex (tokenizers' ByteLevel with use_regex); "digits": every \p{N} character on its own first,
+# then GPT-2's regex (the original SmolLM/StarCoder tokenizer.json: Digits(individual_digits) + ByteLevel);
+# otherwise the named regex, each match kept whole, then byte-level without a regex.
+_GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais")
+_DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_PRE = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # gguf token types (llama_token_type)
+_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                "pad_token": "padding_token_id"}
+
+
+def _pre_tokenizer(pre: str):
+    """The tokenizers pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` value; None for one not mapped."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in _SPLIT_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return None
+
+
+def _byte_level_tokenizer(path: str):
+    """A GGUF's byte-level BPE tokenizer as a transformers fast tokenizer, or None if the file holds another kind
+    (sentencepiece, unigram) or a pre-tokenizer type not mapped above.
+
+    Tokens marked control become special added tokens (kept whole, skipped when decoding with
+    skip_special_tokens), user-defined ones plain added tokens, as llama.cpp matches both whole; BOS is prepended
+    when the file says `add_bos_token`.
+    """
+    reader = gguf.GGUFReader(path, "r")
+    pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
+    if _field(reader, "tokenizer.ggml.model", None) != "gpt2" or pre_tokenizer is None:
+        return None
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    types = _field(reader, "tokenizer.ggml.token_type", None) or [0] * len(tokens)
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a converter's mislabel, not a token the model reads.
+    alphabet = set(bytes_to_unicode().values())
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types, strict=True) if k == _CONTROL and set(t) <= alphabet])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED])
+    ids = {name: i for name, key in _SPECIAL_IDS.items()
+           if (i := _field(reader, f"tokenizer.ggml.{key}", None)) is not None}
+    special = {name: tokens[i] for name, i in ids.items()}
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and "bos_token" in ids:
+        bos = special["bos_token"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids["bos_token"])])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=_field(reader, "tokenizer.chat_template",
+                                                                                  None), **special)
+
+
 def load_tokenizer(kind: str, path: str, *, require_chat_template: bool = True):
     """Loads the tokenizer (with chat template) of a resolved model source, offline.
 
@@ -215,8 +291,14 @@ def load_tokenizer(kind: str, path: str, *, require_chat_template: bool = True):
     if kind == "hf":
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     elif kind == "gguf":
-        folder, name = os.path.split(os.path.abspath(path))
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        tokenizer = _byte_level_tokenizer(path)
+        if tokenizer is None:
+            folder, name = os.path.split(os.path.abspath(path))
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            except ImportError as e:  # its GGUF reader imports torch
+                raise ImportError(f"{path}: this GGUF's tokenizer is not byte-level BPE, and transformers reads "
+                                  f"other kinds only with torch installed ({e})") from e
         if not tokenizer.chat_template:
             # transformers copies tokenizer.chat_template from GGUF; this covers versions that do not.
             tokenizer.chat_template = _field(gguf.GGUFReader(path, "r"), "tokenizer.chat_template", None)

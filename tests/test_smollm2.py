@@ -99,3 +99,22 @@ def test_sampling_is_reproducible_per_seed(smollm2):
     assert first != other
     # 0.8 is far from greedy: at least one of the two sampled replies leaves the greedy path.
     assert first != greedy or other != greedy
+
+
+@pytest.mark.slow
+def test_default_target_serves_without_torch(smollm2):
+    """`pip install -e ".[cuda]"` brings no torch: the default target, its tokenizer included, loads and
+    decodes without it, to the same tokens as in this process (which has torch)."""
+    import subprocess
+    import sys
+
+    ids = smollm2.chat_ids("What is the capital of France?")
+    want = dspark_jax.generate(smollm2, [ids], max_new_tokens=8).tokens[0]
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import dspark_jax\n"
+            "t = dspark_jax.load_target()\n"
+            "ids = t.chat_ids('What is the capital of France?')\n"
+            "print(ids); print(dspark_jax.generate(t, [ids], max_new_tokens=8).tokens[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-2:] == [str(ids), str(want)]
