@@ -18,4 +18,6 @@ run fused-r32-s016 --set "drafter.overrides={$O, markov_rank: 32}" --set drafter
 run fused-r256-s006 --set "drafter.overrides={$O, markov_rank: 256}" --set drafter.markov_init_std=0.06
 # Rank, not scale: does a rank beyond DeepSpec's 256 help further?
 run fused-r1024 --set "drafter.overrides={$O, markov_rank: 1024}"
+# Has the gain flattened by 1,024? (a quarter of full rank at this 8,192-token vocabulary)
+run fused-r2048 --set "drafter.overrides={$O, markov_rank: 2048}"
 echo "== all done $(date -u +%T)"

@@ -26,7 +26,7 @@ if os.path.isdir("runs/anchor-ab/shrink1024"):
             if f.endswith(".json")}
     json.dump(cuts, open(cuts_path, "w"), indent=1)
 cuts = json.load(open(cuts_path))
-ARMS = ("fused-r256", "fused-r32-s016", "fused-r256-s006", "fused-r1024")  # ab.sh, ab2.sh
+ARMS = ("fused-r256", "fused-r32-s016", "fused-r256-s006", "fused-r1024", "fused-r2048")  # ab.sh, ab2.sh
 for arm in ARMS:
     if os.path.exists(f"runs/anchor-ab/{arm}/metrics.jsonl"):
         shutil.copy(f"runs/anchor-ab/{arm}/metrics.jsonl", os.path.join(HERE, f"metrics-{arm}.jsonl"))
@@ -65,6 +65,7 @@ runs = {a: [json.loads(ln) for ln in open(p)] for a, p in (
     ("rank 256, σ 0.02", os.path.join(HERE, "metrics-fused-r256.jsonl")),
     ("rank 256, σ 0.06", os.path.join(HERE, "metrics-fused-r256-s006.jsonl")),
     ("rank 1024", os.path.join(HERE, "metrics-fused-r1024.jsonl")),
+    ("rank 2048", os.path.join(HERE, "metrics-fused-r2048.jsonl")),
     ("EAGLE-3", os.path.join(AB, "metrics-eagle3-soft.jsonl")))}
 plot_heldout_runs(runs, os.path.join(HERE, "curves_t1.png"), set_name="t1", measure="c_star",
                   title="300 steps: held-out c* on T = 1 text")
