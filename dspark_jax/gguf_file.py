@@ -238,7 +238,7 @@ def _pre_tokenizer(pre: str):
 
 def _byte_level_tokenizer(path: str):
     """A GGUF's byte-level BPE tokenizer as a transformers fast tokenizer, or None if the file holds another kind
-    (sentencepiece, unigram) or a pre-tokenizer type not mapped above.
+    (sentencepiece, unigram), a pre-tokenizer type not mapped above, or no merges.
 
     Tokens marked control become special added tokens (kept whole, skipped when decoding with
     skip_special_tokens), user-defined ones plain added tokens, as llama.cpp matches both whole; BOS is prepended
@@ -246,7 +246,8 @@ def _byte_level_tokenizer(path: str):
     """
     reader = gguf.GGUFReader(path, "r")
     pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
-    if _field(reader, "tokenizer.ggml.model", None) != "gpt2" or pre_tokenizer is None:
+    if (_field(reader, "tokenizer.ggml.model", None) != "gpt2" or pre_tokenizer is None
+            or "tokenizer.ggml.merges" not in reader.fields):  # transformers derives missing merges
         return None
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast

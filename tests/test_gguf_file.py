@@ -230,6 +230,23 @@ def test_gguf_tokenizer_without_torch(tmp_path):
     assert out.stdout.strip() == "['hello', 'Ġworld']"
 
 
+@pytest.mark.parametrize("pre", ["gpt2", "qwen2", "llama-bpe"])
+def test_gguf_tokenizer_splits_as_transformers_for_other_pre_types(tmp_path, pre):
+    """Where transformers' GGUF reader knows the split (all but the digit-isolating types), it is ours."""
+    import transformers
+
+    pytest.importorskip("torch", reason="transformers reads a GGUF tokenizer only with torch")
+    path = tmp_path / "tok.gguf"
+    _write_tokenizer_gguf(path, pre, add_bos=True)
+    ours = load_tokenizer("gguf", str(path))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf", local_files_only=True)
+    for text in ["hello world", "  5 and 1234567", "hello\r\n\n  world\t<think>x<|e|>", "I'LL  hello's 12\u00bd",
+                 "caf\u00e9 \U0001f642 hello"]:
+        assert ours.tokenize(text) == ref.tokenize(text), (pre, text)
+        assert ours.encode(text) == ref.encode(text), (pre, text)  # BOS first (add_bos_token)
+        assert ours.decode(ours.encode(text, add_special_tokens=False)) == text
+
+
 def test_gguf_tokenizer_unmapped_pre_falls_back_to_transformers(tmp_path):
     import transformers
 
