@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="drafters trained on the same batches")
     r.add_argument("--anchor-mode", default=defaults.anchor_mode, choices=ANCHOR_MODES,
                    help=f"how DSpark's anchor slot reads H_ctx[n-1] (default {defaults.anchor_mode})")
+    r.add_argument("--markov-init", default=defaults.markov_init, choices=("zero", "pmi"),
+                   help=f"how DSpark's Markov head starts: the training responses' bigram PMI or zero "
+                        f"(default {defaults.markov_init})")
     for name, help_ in [
         ("magpie", "Magpie queries the target writes"), ("docstrings", "stdlib docstring prompts"),
         ("responses_per_prompt", "sampled answers per prompt"),

@@ -74,6 +74,8 @@ def test_factory_end_to_end(model_dir, tmp_path, monkeypatch):
     assert metrics["drafters"]["dspark"]["config"]["markov_rank"] == 4
     assert metrics["train"]["cut"]["dspark"]["markov_rank"] == {"from": 8, "to": 4}
     assert 0 < metrics["train"]["cut"]["dspark"]["kept_energy"] <= 1
+    # its Markov head started from the training responses' bigram PMI
+    assert metrics["train"]["markov_init"]["dspark"]["bigrams"] > 100
     for kind in ("dspark", "eagle3"):
         held = metrics["heldout_acceptance"][kind]
         assert len(held["t1"]) == 7 and all(0 <= c <= 1 for c in held["t1"])

@@ -58,6 +58,9 @@ class DrafterSection:
     # The Markov input embedding W1 drawn N(0, σ²) with this σ instead of the network's 0.02 (a fresh run only).
     # An A/B switch (reports/2026-12-06/markov-shrink: is a higher rank's gain only a faster-moving product?).
     markov_init_std: float | None = None
+    # How a fresh DSpark's Markov head starts: "zero" (W2 = 0: the backbone's logits untouched) or "pmi" (the
+    # rank-R factors of data.path's smoothed bigram PMI, train/markov_init.py; reports/2026-12-06/markov-pmi).
+    markov_init: str = "zero"
     # > 0: a reduced draft vocabulary of this many tokens, the most frequent in data.path's responses
     # (train/vocab.py; dspark_jax/draft_vocab.py); 0 = the target's whole vocabulary.
     draft_vocab_size: int = 0
@@ -67,6 +70,12 @@ class DrafterSection:
     # moving a drafter to another draft vocabulary (the Markov head's rows follow the tokens; train/fit.py's
     # `init_from_params`). Its config must be the run's up to the draft vocabulary and calibration.
     init_from: str | None = None
+
+    def __post_init__(self):
+        if self.markov_init not in ("zero", "pmi"):
+            raise ValueError(f"drafter.markov_init: expected 'zero' or 'pmi', got {self.markov_init!r}")
+        if self.markov_init == "pmi" and self.init_from:
+            raise ValueError("drafter.markov_init pmi starts a fresh head; drafter.init_from brings a trained one")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

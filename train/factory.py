@@ -99,6 +99,10 @@ class FactorySettings:
     # evaluation and the files, which hold rank 256 over the whole vocabulary: the rank-1,024 head cut to 256
     # scored 0.2356, to 32 0.2345 (the shipped size).
     written_markov_rank: int = 256
+    # How DSpark's Markov head starts: "pmi", the rank-R factors of the training responses' smoothed bigram PMI
+    # (train/markov_init.py; at rank 256 it reached by step 50 the held-out c* a zero start reached by step 300,
+    # reports/2026-12-06/markov-pmi), or "zero".
+    markov_init: str = "pmi"
     # EAGLE-3's fused input in the anchor slot: at 300 steps, position-1 held-out c* on T = 1 text 0.287 against
     # `add`'s 0.212 (EAGLE-3 0.297; reports/2026-12-06/anchor-ab)
     anchor_mode: str = "fused"
@@ -131,6 +135,8 @@ class FactorySettings:
         bad = sorted(set(self.kinds) - {"dspark", "eagle3", "dflash"})
         if bad or not self.kinds:
             raise ValueError(f"kinds must be some of dspark, eagle3, dflash; got {self.kinds}")
+        if self.markov_init not in ("zero", "pmi"):
+            raise ValueError(f"markov_init: expected 'zero' or 'pmi', got {self.markov_init!r}")
         if not 0 < self.written_markov_rank <= self.markov_rank:
             raise ValueError(f"written_markov_rank {self.written_markov_rank} must be in [1, markov_rank "
                              f"{self.markov_rank}]")
@@ -345,9 +351,11 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
     features = shared_features_fn(target, layers)
     tx = make_settable_optimizer()
     weights = {kind: LossWeights.for_kind(kind) for kind in cfgs}  # what each step trains on, and metrics.json says
-    drafters, states, steps = {}, {}, {}
+    drafters, states, steps, markov_init = {}, {}, {}, {}
     for kind, cfg in cfgs.items():
         d = Drafter(cfg, DrafterModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(s.seed)))
+        if kind == "dspark" and s.markov_init == "pmi":
+            d, markov_init[kind] = _pmi_started(d, data, train, log)
         drafters[kind] = d
         states[kind] = init_train_state(d.params, tx)
         steps[kind] = make_train_step(target, d, tx, weights[kind])
@@ -391,7 +399,23 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
                      "seconds_per_step": None if pace is None else round(pace, 5),
                      "cut_by_clock": done < total, "windows": int(n_windows),
                      "anchor_blocks": done * s.batch_sequences * s.anchors_per_seq,
-                     "loss_weights": {k: dataclasses.asdict(w) for k, w in weights.items()}, "history": history}
+                     "loss_weights": {k: dataclasses.asdict(w) for k, w in weights.items()},
+                     "markov_init": markov_init, "history": history}
+
+
+def _pmi_started(d, data: dict, train, log):
+    """(The DSpark `d` with its Markov head set from the training responses' bigram PMI, the counts' stats)
+    (train/markov_init.py)."""
+    from train.markov_init import pmi_head  # not train.fit: it imports grain, which the GPU image lacks
+
+    t0 = time.perf_counter()
+    w1, w2, stats = pmi_head(d.config, [q for q, t in zip(data["sequences"], train, strict=True) if t],
+                             [p for p, t in zip(data["prompt_lens"], train, strict=True) if t])
+    state = jax.tree.map(lambda x: x, d.params)
+    nnx.replace_by_pure_dict(state, {**nnx.to_pure_dict(d.params), "markov_w1": w1, "markov_w2": w2})
+    log(f"dspark: Markov head from {stats['bigrams']:,} bigrams ({stats['pairs']:,} distinct), rank "
+        f"{d.config.markov_rank} keeps {stats['kept_energy']:.3f} of their PMI, in {time.perf_counter() - t0:.1f} s")
+    return d.with_params(state), stats
 
 
 def heldout_acceptance(target, drafters: dict, data: dict, s: FactorySettings, batches: int = 4) -> dict:

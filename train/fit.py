@@ -100,6 +100,26 @@ def init_params(drafter_cfg, seed: int, shardings=None, markov_init_std: float |
     return jax.jit(init, out_shardings=shardings)()
 
 
+def fresh_params(cfg: TrainConfig, drafter_cfg, data_dir, shardings=None) -> dict:
+    """A run's fresh drafter: `init_params`, and with `drafter.markov_init: pmi` the Markov head's W1, W2 from
+    the data's bigrams (train/markov_init.py), the same on every process."""
+    params = init_params(drafter_cfg, cfg.drafter.init_seed, shardings, cfg.drafter.markov_init_std)
+    if cfg.drafter.markov_init == "zero":
+        return params
+    from train.markov_init import data_pmi_head
+
+    if drafter_cfg.head != "markov" or "markov_w1" not in params:
+        raise ValueError(f"drafter.markov_init pmi needs a DSpark with head 'markov', not {drafter_cfg.kind} "
+                         f"with head {drafter_cfg.head!r}")
+    w1, w2, stats = data_pmi_head(drafter_cfg, os.fspath(data_dir))
+    if jax.process_index() == 0:
+        print(f"Markov head from the data's bigram PMI: {stats['bigrams']:,} bigrams, rank {drafter_cfg.markov_rank} "
+              f"keeps {stats['kept_energy']:.3f} of it", flush=True)
+    head = {"markov_w1": w1, "markov_w2": w2}
+    return {**params, **(jax.tree.map(jnp.asarray, head) if shardings is None else
+                         place(head, {k: shardings[k] for k in head}))}
+
+
 def drafter_config(cfg: TrainConfig, target, paths: RunPaths):
     """The run's DrafterConfig; a reduced draft vocabulary is chosen by process 0 and broadcast."""
     from dspark_jax.drafter_config import DrafterConfig
@@ -141,8 +161,7 @@ def build(cfg: TrainConfig, target=None):
     drafter = Drafter(drafter_cfg,
                       nnx.eval_shape(lambda: DrafterModel(drafter_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
     params = (init_from_params(cfg.drafter.init_from, nnx.to_pure_dict(drafter.params), drafter_cfg, target)
-              if cfg.drafter.init_from else init_params(drafter_cfg, cfg.drafter.init_seed,
-                                                        markov_init_std=cfg.drafter.markov_init_std))
+              if cfg.drafter.init_from else fresh_params(cfg, drafter_cfg, RunPaths.of(cfg).data))
     return target, drafter.with_params(_to_state(drafter, params))
 
 
@@ -313,7 +332,7 @@ def fit(cfg: TrainConfig, *, target=None, export: str | None = None, stop_after:
     elif cfg.drafter.init_from:
         params = place(init_from_params(cfg.drafter.init_from, abstract, drafter_cfg, target), sh.params)
     else:
-        params = init_params(drafter_cfg, cfg.drafter.init_seed, sh.params, cfg.drafter.markov_init_std)
+        params = fresh_params(cfg, drafter_cfg, paths.data, sh.params)
     params, opt_state = jax.jit(lambda p: init_train_state(p, tx), out_shardings=(sh.params, sh.opt),
                                 donate_argnums=0)(params)
     weights = loss_weights(cfg, drafter_cfg.kind)
@@ -516,5 +535,5 @@ def _to_state(drafter, pure):
     return state
 
 
-__all__ = ["RunPaths", "build", "carry_params", "fit", "init_from_params", "init_params", "loss_weights",
-           "read_carry", "save_drafter", "write_carry"]
+__all__ = ["RunPaths", "build", "carry_params", "fit", "fresh_params", "init_from_params", "init_params",
+           "loss_weights", "read_carry", "save_drafter", "write_carry"]
