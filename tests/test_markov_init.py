@@ -4,9 +4,7 @@ rows and columns, and a run that starts from it."""
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 
 import numpy as np
 import pytest
@@ -65,7 +63,7 @@ def test_bigram_counts_read_responses_into_markov_rows():
     # target ids 0..5; draft vocabulary {1, 3, 4} → columns 0, 1, 2; others share W1's row 3 and have no column
     t2d = np.array([3, 0, 3, 1, 2, 3])
     seqs = [np.array([5, 1, 3, 4, 0, 3]), np.array([2, 2, 4, 1])]
-    counts = bigram_counts(seqs, [2, 1], t2d, t2d, 4, 3).toarray()
+    counts = bigram_counts(seqs, [2, 1], t2d, 4, 3).toarray()
     want = np.zeros((4, 3))
     # seq 0, response from index 2: (1→3) (3→4) (4→0: dropped) (0→3); seq 1 from 1: (2→2: dropped) (2→4) (4→1)
     for r, c in [(0, 1), (1, 2), (3, 1), (3, 2), (2, 0)]:
@@ -74,21 +72,15 @@ def test_bigram_counts_read_responses_into_markov_rows():
 
 
 def test_fit_starts_the_markov_head_from_the_data_pmi(tiny, tmp_path):  # noqa: F811
-    from array_record.python.array_record_module import ArrayRecordReader
-
     from dspark_jax.drafter import flat_params
     from train.fit import build, fit
-    from train.prepare import decode_record
+    from train.vocab import read_records
 
     target, data = tiny
     cfg = load_config(None, [*_overrides(_cfg(data, tmp_path, steps=3)), "drafter.markov_init=pmi"])
     _, drafter = build(cfg, target)
     flat = flat_params(drafter.params)
-    recs = []
-    for path in sorted(glob.glob(os.path.join(data, "*.array_record"))):
-        reader = ArrayRecordReader(path)
-        recs += [decode_record(raw) for raw in reader.read_all()]
-        reader.close()
+    recs = read_records(data)
     w1, w2, stats = pmi_head(drafter.config, [r["tokens"] for r in recs], [r["prompt_len"] for r in recs])
     assert stats["bigrams"] > 500 and 0 < stats["kept_energy"] < 1
     np.testing.assert_allclose(np.asarray(flat["markov_w1"]) @ np.asarray(flat["markov_w2"]), w1 @ w2, atol=1e-5)

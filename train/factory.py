@@ -340,9 +340,9 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
     from train.losses import LossWeights
 
     train = ~data["heldout"]
-    tokens, lengths, min_anchor = windows([q for q, t in zip(data["sequences"], train, strict=True) if t],
-                                          [p for p, t in zip(data["prompt_lens"], train, strict=True) if t],
-                                          s.seq_len)
+    sequences = [q for q, t in zip(data["sequences"], train, strict=True) if t]
+    prompt_lens = [p for p, t in zip(data["prompt_lens"], train, strict=True) if t]
+    tokens, lengths, min_anchor = windows(sequences, prompt_lens, s.seq_len)
     if not len(tokens):
         raise ValueError("no training sequence: generation produced nothing usable in its time")
     n_windows = len(tokens)
@@ -355,7 +355,7 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
     for kind, cfg in cfgs.items():
         d = Drafter(cfg, DrafterModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(s.seed)))
         if kind == "dspark" and s.markov_init == "pmi":
-            d, markov_init[kind] = _pmi_started(d, data, train, log)
+            markov_init[kind] = _start_markov_from_pmi(d, sequences, prompt_lens, log)
         drafters[kind] = d
         states[kind] = init_train_state(d.params, tx)
         steps[kind] = make_train_step(target, d, tx, weights[kind])
@@ -403,19 +403,17 @@ def train_drafters(target, cfgs: dict, data: dict, s: FactorySettings, budget: B
                      "markov_init": markov_init, "history": history}
 
 
-def _pmi_started(d, data: dict, train, log):
-    """(The DSpark `d` with its Markov head set from the training responses' bigram PMI, the counts' stats)
-    (train/markov_init.py)."""
+def _start_markov_from_pmi(d, sequences, prompt_lens, log) -> dict:
+    """Sets the fresh DSpark `d`'s Markov head from the training responses' bigram PMI (train/markov_init.py), in
+    place; returns the counts' stats."""
     from train.markov_init import pmi_head  # not train.fit: it imports grain, which the GPU image lacks
 
     t0 = time.perf_counter()
-    w1, w2, stats = pmi_head(d.config, [q for q, t in zip(data["sequences"], train, strict=True) if t],
-                             [p for p, t in zip(data["prompt_lens"], train, strict=True) if t])
-    state = jax.tree.map(lambda x: x, d.params)
-    nnx.replace_by_pure_dict(state, {**nnx.to_pure_dict(d.params), "markov_w1": w1, "markov_w2": w2})
+    w1, w2, stats = pmi_head(d.config, sequences, prompt_lens)
+    nnx.replace_by_pure_dict(d.params, {**nnx.to_pure_dict(d.params), "markov_w1": w1, "markov_w2": w2})
     log(f"dspark: Markov head from {stats['bigrams']:,} bigrams ({stats['pairs']:,} distinct), rank "
         f"{d.config.markov_rank} keeps {stats['kept_energy']:.3f} of their PMI, in {time.perf_counter() - t0:.1f} s")
-    return d.with_params(state), stats
+    return stats
 
 
 def heldout_acceptance(target, drafters: dict, data: dict, s: FactorySettings, batches: int = 4) -> dict:

@@ -22,17 +22,17 @@ import numpy as np
 import scipy.sparse
 
 
-def bigram_counts(sequences, prompt_lens, rows_of: np.ndarray, cols_of: np.ndarray, n_rows: int,
-                  n_cols: int) -> scipy.sparse.csr_matrix:
-    """float64 [n_rows, n_cols] CSR: how often Markov row r (`rows_of[previous token]`) is followed by draft
-    column c (`cols_of[next token]`, ≥ n_cols: outside, dropped), the next token a response token."""
+def bigram_counts(sequences, prompt_lens, index: np.ndarray, n_rows: int, n_cols: int) -> scipy.sparse.csr_matrix:
+    """float64 [n_rows, n_cols] CSR: how often the previous token's Markov row `index[prev]` is followed by the next
+    token's draft column `index[next]` (≥ n_cols: outside the draft vocabulary, dropped), the next token a
+    response token."""
     rows, cols = [], []
     for seq, p in zip(sequences, prompt_lens, strict=True):
         seq = np.asarray(seq, np.int64)
         p = max(int(p), 1)
         if len(seq) <= p:
             continue
-        r, c = rows_of[seq[p - 1:-1]], cols_of[seq[p:]]
+        r, c = index[seq[p - 1:-1]], index[seq[p:]]
         keep = c < n_cols
         rows.append(r[keep])
         cols.append(c[keep])
@@ -103,24 +103,20 @@ def pmi_factors(counts, rank: int, prior: float = 10.0, scale: float = 1.0, over
     return w1, w2, kept
 
 
-def markov_maps(cfg) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(rows_of [V], cols_of [V], n_rows, n_cols) for a DrafterConfig: target id → W1 row and → W2 column (a
-    reduced vocabulary's outside tokens share W1's last row and have no column)."""
+def markov_index(cfg) -> tuple[np.ndarray, int, int]:
+    """(index [V], n_rows, n_cols) for a DrafterConfig: target id → its W1 row and its W2 column, the same number (a
+    reduced vocabulary's outside tokens, index Vd, share W1's last row and have no column)."""
     from dspark_jax import draft_vocab
 
-    v = cfg.vocab_size
     if not draft_vocab.is_reduced(cfg):
-        ids = np.arange(v)
-        return ids, ids, v, v
+        return np.arange(cfg.vocab_size), cfg.vocab_size, cfg.vocab_size
     vd = draft_vocab.size(cfg)
-    t2d = np.asarray(draft_vocab.t2d(cfg))
-    return t2d, t2d, vd + 1, vd
+    return np.asarray(draft_vocab.t2d(cfg)), vd + 1, vd
 
 
 def pmi_head(cfg, sequences, prompt_lens, prior: float = 10.0) -> tuple[np.ndarray, np.ndarray, dict]:
     """(W1, W2, stats) for a DSpark config from token sequences and their prompt lengths."""
-    rows_of, cols_of, n_rows, n_cols = markov_maps(cfg)
-    counts = bigram_counts(sequences, prompt_lens, rows_of, cols_of, n_rows, n_cols)
+    counts = bigram_counts(sequences, prompt_lens, *markov_index(cfg))
     w1, w2, kept = pmi_factors(counts, cfg.markov_rank, prior)
     return w1, w2, {"bigrams": int(counts.sum()), "pairs": int(counts.nnz), "kept_energy": round(kept, 6),
                     "prior": prior}
@@ -128,24 +124,12 @@ def pmi_head(cfg, sequences, prompt_lens, prior: float = 10.0) -> tuple[np.ndarr
 
 def data_pmi_head(cfg, data_dir: str, prior: float = 10.0) -> tuple[np.ndarray, np.ndarray, dict]:
     """`pmi_head` over the responses of a prepared data directory (train/prepare.py shards)."""
-    import os
+    from train.vocab import read_records
 
-    from array_record.python.array_record_module import ArrayRecordReader
-    from etils import epath
-
-    from train.prepare import RECORD_GLOB, decode_record
-
-    sequences, prompt_lens = [], []
-    for path in sorted(os.fspath(f) for f in epath.Path(data_dir).glob(RECORD_GLOB)):
-        reader = ArrayRecordReader(path)
-        for raw in reader.read_all():
-            rec = decode_record(raw)
-            sequences.append(np.asarray(rec["tokens"]))
-            prompt_lens.append(int(rec["prompt_len"]))
-        reader.close()
-    if not sequences:
+    records = read_records(data_dir)
+    if not records:
         raise ValueError(f"drafter.markov_init pmi: no prepared data in {data_dir!r} to count bigrams from")
-    return pmi_head(cfg, sequences, prompt_lens, prior)
+    return pmi_head(cfg, [r["tokens"] for r in records], [r["prompt_len"] for r in records], prior)
 
 
-__all__ = ["bigram_counts", "centred_pmi", "data_pmi_head", "markov_maps", "pmi_factors", "pmi_head"]
+__all__ = ["bigram_counts", "centred_pmi", "data_pmi_head", "markov_index", "pmi_factors", "pmi_head"]
