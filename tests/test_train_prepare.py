@@ -201,3 +201,26 @@ def test_prepare_with_magpie_queries_and_a_greedy_share(tiny, tmp_path, monkeypa
     assert calls == [10, 6]  # topped up from the 4 whole lines
     with pytest.raises(ValueError, match="greedy_share"):
         prepare(str(tmp_path / "c"), **{**kw, "greedy_share": 1.5})
+
+
+def test_prepare_leaves_out_the_prompts_of_excluded_directories(tiny, tmp_path, monkeypatch):
+    """`exclude` (held-out sets) drops every prompt another prepared directory planned, and only those."""
+    from train.prepare import prepare, read_plan
+
+    def prompts(split, domain, n, seed=0):  # seed picks a window of one shared pool, as load_prompts does
+        return [f"{domain} prompt number {i}" for i in range(4 * seed, 4 * seed + n)]
+
+    monkeypatch.setattr(datasets, "load_prompts", prompts)
+    tokenize = lambda text: [3 + (ord(c) % 120) for c in text]  # noqa: E731
+    kw = dict(target_spec="tiny", max_prompt_tokens=60, max_new_tokens=3, batch_size=4, temperature=1.0,
+              top_p=1.0, part_size=8, target=tiny, tokenize=tokenize, progress=False)
+    prepare(str(tmp_path / "held"), per_domain={"chat": 6}, seed=0, **kw)  # prompts 0..5
+    meta = prepare(str(tmp_path / "train"), per_domain={"chat": 8}, seed=1, exclude=(str(tmp_path / "held"),),
+                   **kw)  # prompts 4..11 less 4 and 5
+    held = {tuple(p["ids"]) for p in read_plan(str(tmp_path / "held"))["prompts"]}
+    kept = [tuple(p["ids"]) for p in read_plan(str(tmp_path / "train"))["prompts"]]
+    assert len(kept) == 6 and not held & set(kept)
+    assert {tuple(tokenize(f"chat prompt number {i}")) for i in range(6, 12)} == set(kept)
+    assert meta["settings"]["exclude"] == [os.path.abspath(tmp_path / "held")]
+    with pytest.raises(FileNotFoundError, match="not a prepared directory"):
+        prepare(str(tmp_path / "x"), per_domain={"chat": 2}, seed=0, exclude=(str(tmp_path / "nothing"),), **kw)

@@ -26,7 +26,8 @@ def _prepare(args) -> None:
     meta = prepare(args.out, target_spec=args.target, per_domain={k: v for k, v in per_domain.items() if v > 0},
                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                   part_size=args.part_size, seed=args.seed, magpie=args.magpie, greedy_share=args.greedy_share)
+                   part_size=args.part_size, seed=args.seed, magpie=args.magpie, greedy_share=args.greedy_share,
+                   exclude=tuple(args.exclude))
     print(json.dumps({k: v for k, v in meta.items() if k not in ("shards", "settings")}, indent=2))
     if args.features:
         _features(args)
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="queries the target writes itself from its chat template's pre-query prefix (Magpie)")
     pr.add_argument("--greedy-share", type=float, default=0.0,
                     help="share of prompts answered greedily (T = 0) instead of at --temperature")
+    pr.add_argument("--exclude", nargs="*", default=[], metavar="DIR",
+                    help="prepared directories (e.g. held-out sets) whose prompts this plan must not hold")
     pr.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer chat-templated prompts")
     pr.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     pr.add_argument("--batch-size", type=int, default=64, help="decode slots (prompts decoded together)")

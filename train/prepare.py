@@ -94,11 +94,12 @@ def build_plan(tokenize, settings: dict, magpie_queries: list[tuple[str, str]] =
     texts = [(domain, text) for domain, n in settings["per_domain"].items()
              for text in datasets.load_prompts("train", domain, n, seed=settings["seed"])]
     texts += [(f"magpie_{d}", q) for d, q in magpie_queries]
+    banned = excluded_prompts(settings.get("exclude", ()))
     entries = []
     for domain, text in texts:
-        ids = tokenize(text)
-        if len(ids) <= settings["max_prompt_tokens"]:
-            entries.append({"domain": domain, "ids": [int(t) for t in ids]})
+        ids = [int(t) for t in tokenize(text)]
+        if len(ids) <= settings["max_prompt_tokens"] and tuple(ids) not in banned:
+            entries.append({"domain": domain, "ids": ids})
     order = np.random.default_rng(settings["seed"]).permutation(len(entries))
     plan = [entries[i] for i in order]
     if settings.get("greedy_share"):
@@ -106,6 +107,23 @@ def build_plan(tokenize, settings: dict, magpie_queries: list[tuple[str, str]] =
         for entry, g in zip(plan, greedy, strict=True):
             entry["greedy"] = bool(g)
     return plan
+
+
+def read_plan(out_dir: str) -> dict:
+    """The saved plan of a prepared directory: {"version", "settings", "prompts"}."""
+    with gzip.open(os.path.join(out_dir, PLAN_FILE), "rt") as f:
+        return json.load(f)
+
+
+def excluded_prompts(dirs) -> set[tuple[int, ...]]:
+    """The prompts (chat-templated token ids) planned in other prepared directories, e.g. held-out sets, which a
+    new plan must not hold."""
+    banned: set[tuple[int, ...]] = set()
+    for d in dirs:
+        if not os.path.exists(os.path.join(d, PLAN_FILE)):
+            raise FileNotFoundError(f"exclude: {d} holds no {PLAN_FILE} (not a prepared directory)")
+        banned |= {tuple(p["ids"]) for p in read_plan(d)["prompts"]}
+    return banned
 
 
 MAGPIE_FILE = "magpie.jsonl"
@@ -143,8 +161,7 @@ def load_or_make_plan(out_dir: str, settings: dict, tokenize, magpie=None) -> li
     """The plan of `out_dir`: read back if it exists (its settings must equal `settings`), else built and saved."""
     path = os.path.join(out_dir, PLAN_FILE)
     if os.path.exists(path):
-        with gzip.open(path, "rt") as f:
-            saved = json.load(f)
+        saved = read_plan(out_dir)
         if saved["settings"] != settings:
             diff = {k: (saved["settings"].get(k), settings.get(k)) for k in set(saved["settings"]) | set(settings)
                     if saved["settings"].get(k) != settings.get(k)}
@@ -208,7 +225,8 @@ def write_metadata(out_dir: str, settings: dict, num_parts: int, shard_stats: di
 def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_prompt_tokens: int = 256,
             max_new_tokens: int = 256, batch_size: int = 64, temperature: float = 0.2, top_p: float = 0.9,
             part_size: int = 128, seed: int = 0, target=None, tokenize=None, progress: bool = True,
-            stop_after_parts: int | None = None, magpie: int = 0, greedy_share: float = 0.0) -> dict:
+            stop_after_parts: int | None = None, magpie: int = 0, greedy_share: float = 0.0,
+            exclude: tuple[str, ...] = ()) -> dict:
     """Builds (or resumes) the training set; returns the metadata it also writes to metadata.json.
 
     Args:
@@ -223,6 +241,7 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
       stop_after_parts: return after writing this many new parts (tests: a killed run).
       magpie: queries the target writes itself (train/magpie.py), answered like the others.
       greedy_share: the share of prompts answered greedily (T = 0) instead of at `temperature`.
+      exclude: other prepared directories (e.g. held-out sets) whose planned prompts this plan leaves out.
     """
     from tqdm.auto import tqdm
 
@@ -234,7 +253,8 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
     if not 0.0 <= greedy_share <= 1.0:
         raise ValueError(f"{greedy_share=} must lie in [0, 1]")
     # Only set when used, so a directory prepared before these existed resumes under the same settings.
-    settings.update({k: v for k, v in (("magpie", magpie), ("greedy_share", greedy_share)) if v})
+    settings.update({k: v for k, v in (("magpie", magpie), ("greedy_share", greedy_share),
+                                       ("exclude", sorted(os.path.abspath(d) for d in exclude))) if v})
     os.makedirs(out_dir, exist_ok=True)
     if target is None:
         from dspark_jax.target import load_target
