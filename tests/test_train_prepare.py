@@ -221,6 +221,40 @@ def test_prepare_leaves_out_the_prompts_of_excluded_directories(tiny, tmp_path, 
     kept = [tuple(p["ids"]) for p in read_plan(str(tmp_path / "train"))["prompts"]]
     assert len(kept) == 6 and not held & set(kept)
     assert {tuple(tokenize(f"chat prompt number {i}")) for i in range(6, 12)} == set(kept)
-    assert meta["settings"]["exclude"] == [os.path.abspath(tmp_path / "held")]
+    assert meta["settings"]["exclude"]["prompts"] == 6  # the excluded prompts' count and hash, not a path
     with pytest.raises(FileNotFoundError, match="not a prepared directory"):
         prepare(str(tmp_path / "x"), per_domain={"chat": 2}, seed=0, exclude=(str(tmp_path / "nothing"),), **kw)
+
+    # The same data moved elsewhere (another checkout) resumes: settings hold no path.
+    os.rename(tmp_path / "held", tmp_path / "held-moved")
+    os.rename(tmp_path / "train", tmp_path / "train-moved")
+    again = prepare(str(tmp_path / "train-moved"), per_domain={"chat": 8}, seed=1,
+                    exclude=(str(tmp_path / "held-moved"),), **kw)
+    assert again["complete"] and again["settings"] == meta["settings"]
+    # Other excluded prompts are other settings: refused, not mixed.
+    prepare(str(tmp_path / "held2"), per_domain={"chat": 5}, seed=0, plan_only=True, **kw)
+    with pytest.raises(ValueError, match="other settings"):
+        prepare(str(tmp_path / "train-moved"), per_domain={"chat": 8}, seed=1, exclude=(str(tmp_path / "held2"),),
+                **kw)
+
+
+def test_plan_only_saves_the_plan_and_generates_nothing(tiny, tmp_path, monkeypatch):
+    """`plan_only` writes the plan another run can exclude; the same call without it then fills the directory
+    with the shards a straight run writes."""
+    from train.prepare import prepare, read_plan
+
+    monkeypatch.setattr(datasets, "load_prompts", _fake_prompts)
+    tokenize = lambda text: [3 + (ord(c) % 120) for c in text]  # noqa: E731
+    kw = dict(target_spec="tiny", per_domain={"chat": 5, "math": 3}, max_prompt_tokens=40, max_new_tokens=4,
+              batch_size=4, temperature=1.0, top_p=1.0, part_size=4, seed=2, target=tiny, tokenize=tokenize,
+              progress=False)
+    planned = prepare(str(tmp_path / "p"), plan_only=True, **kw)
+    assert planned["parts_done"] == 0 and planned["parts_total"] == 2 and not planned["complete"]
+    assert len(read_plan(str(tmp_path / "p"))["prompts"]) == 8
+    assert not glob.glob(str(tmp_path / "p" / "shard-*"))
+    filled = prepare(str(tmp_path / "p"), **kw)
+    straight = prepare(str(tmp_path / "s"), **kw)
+    assert filled["complete"] and filled["tokens_total"] == straight["tokens_total"]
+    prepare(str(tmp_path / "o"), **{**kw, "per_domain": {"chat": 7}}, exclude=(str(tmp_path / "p"),), plan_only=True)
+    assert {tuple(p["ids"]) for p in read_plan(str(tmp_path / "o"))["prompts"]} == {
+        tuple(tokenize(t)) for t in _fake_prompts("train", "chat", 7)[5:]}

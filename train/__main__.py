@@ -27,9 +27,11 @@ def _prepare(args) -> None:
                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
                    part_size=args.part_size, seed=args.seed, magpie=args.magpie, greedy_share=args.greedy_share,
-                   exclude=tuple(args.exclude))
+                   exclude=tuple(args.exclude), plan_only=args.plan_only)
     print(json.dumps({k: v for k, v in meta.items() if k not in ("shards", "settings")}, indent=2))
-    if args.features:
+    if args.plan_only:
+        print(f"{args.out}: plan saved, no responses generated (--plan-only)")
+    elif args.features:
         _features(args)
 
 
@@ -192,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="share of prompts answered greedily (T = 0) instead of at --temperature")
     pr.add_argument("--exclude", nargs="*", default=[], metavar="DIR",
                     help="prepared directories (e.g. held-out sets) whose prompts this plan must not hold")
+    pr.add_argument("--plan-only", action="store_true",
+                    help="save the plan (prompts, and Magpie queries if asked) and stop: no responses, no features; "
+                    "another plan can --exclude the directory, and the same command without it fills it")
     pr.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer chat-templated prompts")
     pr.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     pr.add_argument("--batch-size", type=int, default=64, help="decode slots (prompts decoded together)")

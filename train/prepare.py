@@ -29,6 +29,7 @@ Output, under `out_dir`:
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import sys
@@ -87,14 +88,15 @@ def shard_name(part: int, num_parts: int) -> str:
 # --- the plan ---------------------------------------------------------------------------------------------
 
 
-def build_plan(tokenize, settings: dict, magpie_queries: list[tuple[str, str]] = ()) -> list[dict]:
+def build_plan(tokenize, settings: dict, magpie_queries: list[tuple[str, str]] = (),
+               banned: frozenset[tuple[int, ...]] = frozenset()) -> list[dict]:
     """Prompts of every domain (and the Magpie queries, as domain "magpie_<d>") → [{"domain", "ids"}, plus
-    "greedy": bool when settings has a greedy_share], filtered by max_prompt_tokens, domains interleaved by a
-    seeded permutation (so every part, and any prefix of the shards, mixes the domains)."""
+    "greedy": bool when settings has a greedy_share], filtered by max_prompt_tokens and leaving out the `banned`
+    token sequences (other directories' prompts), domains interleaved by a seeded permutation (so every part, and
+    any prefix of the shards, mixes the domains)."""
     texts = [(domain, text) for domain, n in settings["per_domain"].items()
              for text in datasets.load_prompts("train", domain, n, seed=settings["seed"])]
     texts += [(f"magpie_{d}", q) for d, q in magpie_queries]
-    banned = excluded_prompts(settings.get("exclude", ()))
     entries = []
     for domain, text in texts:
         ids = [int(t) for t in tokenize(text)]
@@ -115,7 +117,7 @@ def read_plan(out_dir: str) -> dict:
         return json.load(f)
 
 
-def excluded_prompts(dirs) -> set[tuple[int, ...]]:
+def excluded_prompts(dirs) -> frozenset[tuple[int, ...]]:
     """The prompts (chat-templated token ids) planned in other prepared directories, e.g. held-out sets, which a
     new plan must not hold."""
     banned: set[tuple[int, ...]] = set()
@@ -123,7 +125,16 @@ def excluded_prompts(dirs) -> set[tuple[int, ...]]:
         if not os.path.exists(os.path.join(d, PLAN_FILE)):
             raise FileNotFoundError(f"exclude: {d} holds no {PLAN_FILE} (not a prepared directory)")
         banned |= {tuple(p["ids"]) for p in read_plan(d)["prompts"]}
-    return banned
+    return frozenset(banned)
+
+
+def exclusion_fingerprint(banned) -> dict:
+    """What a plan's settings record of its exclusions: the excluded prompts' count and a hash of them, not the
+    directories' paths, so the same data resumes from another checkout or directory name."""
+    h = hashlib.sha256()
+    for ids in sorted(banned):
+        h.update(np.asarray(ids, np.int64).tobytes() + b"|")
+    return {"prompts": len(banned), "sha256": h.hexdigest()}
 
 
 MAGPIE_FILE = "magpie.jsonl"
@@ -157,20 +168,24 @@ def magpie_pool(out_dir: str, target, n: int, *, seed: int, batch_size: int, pro
     return have[:n]
 
 
-def load_or_make_plan(out_dir: str, settings: dict, tokenize, magpie=None) -> list[dict]:
-    """The plan of `out_dir`: read back if it exists (its settings must equal `settings`), else built and saved."""
+def load_or_make_plan(out_dir: str, settings: dict, tokenize, magpie=None,
+                      banned: frozenset[tuple[int, ...]] = frozenset()) -> list[dict]:
+    """The plan of `out_dir`: read back if it exists (its settings must equal `settings`), else built (leaving out
+    the `banned` prompts) and saved."""
     path = os.path.join(out_dir, PLAN_FILE)
     if os.path.exists(path):
         saved = read_plan(out_dir)
+        if isinstance(saved["settings"].get("exclude"), list):  # recorded as paths before the fingerprint
+            saved["settings"]["exclude"] = exclusion_fingerprint(excluded_prompts(saved["settings"]["exclude"]))
         if saved["settings"] != settings:
             diff = {k: (saved["settings"].get(k), settings.get(k)) for k in set(saved["settings"]) | set(settings)
                     if saved["settings"].get(k) != settings.get(k)}
             raise ValueError(f"{out_dir} holds a plan made with other settings (saved, asked): {diff}; "
                              "rerun with the same arguments or choose another --out")
         return saved["prompts"]
-    prompts = build_plan(tokenize, settings, magpie() if magpie is not None else ())
+    prompts = build_plan(tokenize, settings, magpie() if magpie is not None else (), banned)
     if not prompts:
-        raise ValueError("no training prompts survived max_prompt_tokens")
+        raise ValueError("no training prompts survived max_prompt_tokens and the exclusions")
     tmp = path + ".tmp"
     with gzip.open(tmp, "wt") as f:
         json.dump({"version": PLAN_VERSION, "settings": settings, "prompts": prompts}, f, separators=(",", ":"))
@@ -226,7 +241,7 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
             max_new_tokens: int = 256, batch_size: int = 64, temperature: float = 0.2, top_p: float = 0.9,
             part_size: int = 128, seed: int = 0, target=None, tokenize=None, progress: bool = True,
             stop_after_parts: int | None = None, magpie: int = 0, greedy_share: float = 0.0,
-            exclude: tuple[str, ...] = ()) -> dict:
+            exclude: tuple[str, ...] = (), plan_only: bool = False) -> dict:
     """Builds (or resumes) the training set; returns the metadata it also writes to metadata.json.
 
     Args:
@@ -242,6 +257,8 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
       magpie: queries the target writes itself (train/magpie.py), answered like the others.
       greedy_share: the share of prompts answered greedily (T = 0) instead of at `temperature`.
       exclude: other prepared directories (e.g. held-out sets) whose planned prompts this plan leaves out.
+      plan_only: save the plan (and write the Magpie queries it needs) but generate no response: a directory
+        another plan can `exclude`, or that a later run with the same arguments fills.
     """
     from tqdm.auto import tqdm
 
@@ -252,9 +269,10 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
                 "part_size": part_size}
     if not 0.0 <= greedy_share <= 1.0:
         raise ValueError(f"{greedy_share=} must lie in [0, 1]")
+    banned = excluded_prompts(exclude)
     # Only set when used, so a directory prepared before these existed resumes under the same settings.
     settings.update({k: v for k, v in (("magpie", magpie), ("greedy_share", greedy_share),
-                                       ("exclude", sorted(os.path.abspath(d) for d in exclude))) if v})
+                                       ("exclude", exclusion_fingerprint(banned) if exclude else None)) if v})
     os.makedirs(out_dir, exist_ok=True)
     if target is None:
         from dspark_jax.target import load_target
@@ -262,13 +280,14 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
         target = load_target(target_spec)
     make_magpie = (lambda: magpie_pool(out_dir, target, magpie, seed=seed, batch_size=batch_size,
                                        progress=progress)) if magpie else None
-    plan = load_or_make_plan(out_dir, settings, target.chat_ids if tokenize is None else tokenize, make_magpie)
+    plan = load_or_make_plan(out_dir, settings, target.chat_ids if tokenize is None else tokenize, make_magpie,
+                             banned)
     parts = _parts(len(plan), part_size)
     names = [shard_name(j, len(parts)) for j in range(len(parts))]
     stats = {n: _shard_stats(os.path.join(out_dir, n)) for n in names if os.path.exists(os.path.join(out_dir, n))}
     todo = [j for j, n in enumerate(names) if n not in stats]
     meta = write_metadata(out_dir, settings, len(parts), stats, {})
-    if not todo:
+    if not todo or plan_only:
         return meta
 
     results: dict[int, dict[int, list[int]]] = {j: {} for j in todo}
