@@ -135,6 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
+    p.add_argument("--max-prompt-logprobs", type=_positive_int, default=1 << 17,
+                   help="most prompt-logprob entries one `echo` request may ask for: prompt tokens x (logprobs + 1), "
+                        "summed over its choices; beyond it 400 (default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: %(default)s)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep compiled XLA programs in this directory so a restart with the same flags skips most "
@@ -218,7 +221,7 @@ def main(argv=None) -> int:
         try:
             app = build_app(engine, engine.tokenizer, chat_template=chat_template_of(engine), api_key=args.api_key,
                             max_waiting=args.max_waiting, request_timeout_s=args.request_timeout,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes, max_prompt_logprobs=args.max_prompt_logprobs)
         except (ValueError, OSError) as e:  # no chat template, unwritable --sps-out
             print(f"error: {e}", file=sys.stderr)
             return 2

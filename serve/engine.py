@@ -72,6 +72,7 @@ class _Req:
     done: bool = False
     prompt_logprobs: list | None = None  # TokenLogprob per prompt position prefilled so far (when asked)
     stops: frozenset | None = None  # token ids that end it (its stop ids, and EOS unless ignored; `_take`)
+    stop_token: TokenLogprob | None = None  # the one that ended it (`_take`)
 
     @property
     def rid(self) -> str:
@@ -195,12 +196,13 @@ class EngineCore:
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     def _emit(self, r: _Req, tokens: list[int], finish: str | None = None, error: str | None = None,
-              logprobs=None, status: int | None = None, prompt_logprobs=None) -> None:
+              logprobs=None, status: int | None = None, prompt_logprobs=None, stop_token=None) -> None:
         try:
             r.req.on_output(RequestOutput(request_id=r.rid, token_ids=tuple(tokens), finish_reason=finish,
                                           error=error, status=status,
                                           logprobs=tuple(logprobs) if logprobs is not None else None,
-                                          prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs else None))
+                                          prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs else None,
+                                          stop_token=stop_token))
         except Exception:  # a broken consumer must not take the engine down
             log.exception("on_output callback of %s failed", r.rid)
 
@@ -214,15 +216,16 @@ class EngineCore:
                 self.waiting.remove(r)
 
     def _finish(self, r: _Req, tokens: list[int], reason: str, error: str | None = None, logprobs=None,
-                status: int | None = None, prompt_logprobs=None) -> None:
+                status: int | None = None, prompt_logprobs=None, stop_token=None) -> None:
         r.done = True
         self._release(r)
         with self._lock:
             self.by_id.pop(r.rid, None)
-        self._emit(r, tokens, reason, error, logprobs, status, prompt_logprobs)
+        self._emit(r, tokens, reason, error, logprobs, status, prompt_logprobs, stop_token)
 
     def _take(self, r: _Req, tokens: list[int], logprobs=None) -> tuple[list[int], list | None, str | None]:
-        """Appends emitted tokens up to a stop; returns (tokens to stream, their logprobs, finish reason)."""
+        """Appends emitted tokens up to a stop; returns (tokens to stream, their logprobs, finish reason). A stop
+        token ends them and is kept in `r.stop_token` (RequestOutput.stop_token), not among the tokens."""
         p = r.req.params
         if r.stops is None:
             r.stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos))
@@ -235,6 +238,7 @@ class EngineCore:
         for i, t in enumerate(tokens):
             t = int(t)
             if t in stops:
+                r.stop_token = logprobs[i] if logprobs is not None else TokenLogprob(token_id=t, logprob=None)
                 return out, lps, "stop"
             r.generated.append(t)
             out.append(t)
@@ -297,7 +301,7 @@ class EngineCore:
             out, lps, reason = self._take(r, [tok], lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
-                self._finish(r, out, reason, logprobs=lps, prompt_logprobs=plps)
+                self._finish(r, out, reason, logprobs=lps, prompt_logprobs=plps, stop_token=r.stop_token)
                 return
             self._emit(r, out, logprobs=lps, prompt_logprobs=plps)
             r.anchor = tok
@@ -447,7 +451,7 @@ class EngineCore:
             out, lps, reason = self._take(r, emitted, lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
-                self._finish(r, out, reason, logprobs=lps)
+                self._finish(r, out, reason, logprobs=lps, stop_token=r.stop_token)
             elif out:
                 self._emit(r, out, logprobs=lps)
 

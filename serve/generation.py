@@ -137,6 +137,7 @@ class _Choice:
     error: APIError | None = None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     released: int = 0  # logprobs handed out so far
+    stop_token: TokenLogprob | None = None  # the EOS or stop token id that ended it (no text; usage, logprobs)
 
 
 class Generation:
@@ -266,6 +267,8 @@ class Generation:
                 c.finish_reason = out.finish_reason
                 if out.finish_reason == "abort":
                     c.error = engine_error(out)
+                elif out.finish_reason == "stop":
+                    c.stop_token = out.stop_token
             if c.finish_reason is not None:
                 pending -= 1
             logprobs = echoed + self._release(c, everything=c.finish_reason is not None)
@@ -285,6 +288,12 @@ class Generation:
         end = min(c.text.visible if everything else c.text.released(), len(c.logprobs))
         out = [(c.logprobs[i], len(c.prefix) + c.text.start(i)) for i in range(c.released, end)]
         c.released = max(c.released, end)
+        if (everything and c.stop_token is not None and self.params[c.index].logprobs is not None
+                and c.released == len(c.logprobs)):
+            # vLLM lists the stop token (EOS or a stop token id) last, with no text: lm-eval's loglikelihood
+            # (`echo`, max_tokens 1) counts on exactly one generated entry after the prompt's.
+            out.append((c.stop_token, len(c.prefix) + c.text.length))
+            c.released += 1  # listed once
         return out
 
     def text(self, index: int) -> str:
@@ -293,7 +302,7 @@ class Generation:
         return c.prefix + c.text.text
 
     def usage(self) -> dict:
-        completion = sum(len(c.text.ids) for c in self.choices)
+        completion = sum(len(c.text.ids) + (c.stop_token is not None) for c in self.choices)
         prompt = sum(len(p.ids) for p in self.prompts)  # each prompt once, whatever n
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -303,6 +312,8 @@ def _missing_logprobs(params: SamplingParams, out: RequestOutput, prompt_len: in
     report must carry the prompt's logprobs (the first report of an echo)."""
     if params.logprobs is not None and len(out.logprobs or ()) != len(out.token_ids):
         return f"{len(out.logprobs or ())} logprobs for {len(out.token_ids)} tokens"
+    if params.logprobs is not None and out.stop_token is not None and out.stop_token.logprob is None:
+        return "no logprob for the stop token"
     got = len(out.prompt_logprobs or ())
     if prompt_len is not None and params.prompt_logprobs is not None and got != prompt_len:
         return f"{got} prompt logprobs for a prompt of {prompt_len} tokens"

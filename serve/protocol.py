@@ -12,15 +12,24 @@ Validation policy: every field is checked here, at the protocol boundary, before
     as if the field were absent; any other value is 400 naming it (code "unsupported_parameter"). See UNSUPPORTED:
     presence/frequency_penalty 0, repetition_penalty 1, min_p 0, logit_bias {}, best_of = n, suffix empty,
     response_format {"type": "text"}, tools/functions absent, tool_choice/function_call "none",
-    parallel_tool_calls absent.
+    parallel_tool_calls absent; and vLLM's extras at vLLM's defaults: min_tokens 0, skip_special_tokens and
+    spaces_between_special_tokens true, include_stop_str_in_output, use_beam_search,
+    stream_options.continuous_usage_stats false, and for chat continue_final_message, echo and
+    add_special_tokens false.
+  * vLLM's extras this server implements: completions `add_special_tokens` (default true: a string prompt gets the
+    tokenizer's BOS, as vLLM encodes it), chat `add_generation_prompt` (default true) and `chat_template_kwargs`
+    (more template variables, e.g. Qwen3's enable_thinking), top_k, stop_token_ids, ignore_eos.
   * Fields that never change the output are accepted and ignored: user, metadata, store, service_tier,
-    stream_options.include_usage (honoured), and a message's name / tool_call_id.
+    prompt_cache_key, safety_identifier, priority (served first come, first served),
+    stream_options.include_usage (honoured; stream_options only with stream true, as OpenAI), and a message's
+    name / tool_call_id.
   * Ranges (OpenAI's, plus vLLM's top_k, stop_token_ids, ignore_eos): temperature in [0, 2] (below 1e-5 is
     greedy, 0), top_p in (0, 1], top_k >= -1 (0 and -1 off; the server clamps values >= vocab to off, which is
     what keeping the whole vocabulary means), seed in int64, n in 1..MAX_N (choice i is seeded seed + i,
     wrapped in int64), max_tokens in 1..2^31-1 (and prompt + max_tokens <= the model's context, checked by the
     server; completions also take 0 with `echo`: the prompt scored, nothing generated), up to MAX_STOP stop
-    strings of 1..MAX_STOP_CHARS characters, up to MAX_STOP_TOKEN_IDS stop token ids, completions `logprobs`
+    strings of 1..MAX_STOP_CHARS characters (MAX_STOP_TOTAL_CHARS in all), up to MAX_STOP_TOKEN_IDS stop token
+    ids, completions `logprobs`
     in 0..MAX_LOGPROBS, chat `logprobs` a bool and `top_logprobs` in 0..MAX_LOGPROBS (only with logprobs
     true), at most MAX_MESSAGES messages. Token ids (prompt and stop_token_ids) must be in
     [0, vocab): the server checks them against `engine.vocab_size`. OpenAI caps completions `logprobs` at 5;
@@ -49,10 +58,11 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 
 from serve.types import MAX_LOGPROBS
 
-MAX_N = 8
+MAX_N = 128  # OpenAI's cap; choices beyond the server's --max-waiting are a 400 (too_many_choices)
 MAX_PROMPTS = 128  # prompts in one completions request (a batch); choices = prompts × n
-MAX_STOP = 4
+MAX_STOP = 64  # OpenAI allows 4; vLLM has no cap, and lm-eval sends a task's whole `until` list plus EOS
 MAX_STOP_CHARS = 256
+MAX_STOP_TOTAL_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 1024
 MAX_JSON_DEPTH = 32
@@ -90,6 +100,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: Annotated[bool | None, _only({"type": "boolean", "enum": [False]}, "not implemented")] = \
+        None  # vLLM's: usage in every chunk (not implemented; only false)
 
 
 class _Request(_Strict):
@@ -118,11 +130,23 @@ class _Request(_Strict):
         Field(None, ge=0.0, le=1.0)
     logit_bias: Annotated[dict[str, float] | None, _only({"type": "object", "maxProperties": 0}, "not implemented")] = \
         None
+    # vLLM's sampling extras, known but unimplemented: accepted at the value vLLM defaults to (UNSUPPORTED).
+    min_tokens: Annotated[int | None, _only({"type": "integer", "minimum": 0, "maximum": 0}, "not implemented")] = \
+        Field(None, ge=0, le=INT32_MAX)
+    skip_special_tokens: Annotated[bool | None, _only({"type": "boolean", "enum": [True]}, "always true")] = None
+    spaces_between_special_tokens: Annotated[bool | None, _only({"type": "boolean", "enum": [True]},
+                                                                "always true")] = None
+    include_stop_str_in_output: Annotated[bool | None, _only({"type": "boolean", "enum": [False]},
+                                                             "not implemented")] = None
+    use_beam_search: Annotated[bool | None, _only({"type": "boolean", "enum": [False]}, "not implemented")] = None
     # Harmless: never change the output.
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: bool | None = None
     service_tier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = Field(None, max_length=256)
+    safety_identifier: str | None = Field(None, max_length=256)
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM's priority scheduling; served FCFS
 
     @field_validator("stop", mode="after")
     @classmethod
@@ -132,6 +156,8 @@ class _Request(_Strict):
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
         if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop sequences must have 1..{MAX_STOP_CHARS} characters")
+        if sum(map(len, stops)) > MAX_STOP_TOTAL_CHARS:  # bounds the per-report stop search (serve/stream.py)
+            raise ValueError(f"stop sequences may hold at most {MAX_STOP_TOTAL_CHARS} characters in all")
         return v
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -150,6 +176,9 @@ class _Request(_Strict):
     def check_consistent(self) -> None:
         """Raises APIError (400) for fields that contradict each other."""
         self.logprobs_k()
+        if self.stream_options is not None and not self.stream:
+            raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options",
+                           code="invalid_value")
 
     def check_supported(self) -> None:
         """Raises APIError (400) for a known parameter set to a value this server does not implement."""
@@ -157,6 +186,10 @@ class _Request(_Strict):
             v = getattr(self, name, None)
             if v is not None and not neutral(v, self):
                 raise APIError(f"unsupported value for '{name}': {why}", param=name, code="unsupported_parameter")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError("unsupported value for 'stream_options.continuous_usage_stats': usage comes in the last "
+                           "chunk only (include_usage); only false is accepted",
+                           param="stream_options.continuous_usage_stats", code="unsupported_parameter")
 
 
 _NO_PENALTY = "penalties are not implemented: only the neutral value"
@@ -179,6 +212,17 @@ UNSUPPORTED = {
     "tool_choice": (lambda v, r: v == "none", 'tool calling is not implemented; only "none" is accepted'),
     "function_call": (lambda v, r: v == "none", 'function calling is not implemented; only "none" is accepted'),
     "parallel_tool_calls": (lambda v, r: False, "tool calling is not implemented"),
+    "min_tokens": (lambda v, r: v == 0, "min_tokens is not implemented; only 0 is accepted"),
+    "skip_special_tokens": (lambda v, r: v, "special tokens are always left out of the text; only true is accepted"),
+    "spaces_between_special_tokens": (lambda v, r: v, "only true is accepted"),
+    "include_stop_str_in_output": (lambda v, r: not v, "the text ends before a stop string; only false is accepted"),
+    "use_beam_search": (lambda v, r: not v, "beam search is not implemented; only false is accepted"),
+    "continue_final_message": (lambda v, r: not v, "continuing the final message is not implemented; only false "
+                               "is accepted"),
+    "echo": (lambda v, r: not v or not isinstance(r, ChatCompletionRequest),
+             "chat echo is not implemented; only false is accepted"),
+    "add_special_tokens": (lambda v, r: not v or not isinstance(r, ChatCompletionRequest),
+                           "the chat template writes the special tokens; only false is accepted"),
 }
 
 
@@ -199,6 +243,8 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="not implemented: must equal n")
+    add_special_tokens: bool | None = Field(None, description="add the tokenizer's special tokens (e.g. BOS) to a "
+                                            "string prompt; default true, as vLLM")
     suffix: Annotated[str | None, _only({"type": "string", "maxLength": 0}, "not implemented")] = \
         Field(None, max_length=MAX_STOP_CHARS)
 
@@ -226,6 +272,7 @@ class CompletionRequest(_Request):
         return self.logprobs
 
     def check_consistent(self) -> None:
+        super().check_consistent()
         if self.max_tokens == 0 and not self.echo:
             raise APIError("'max_tokens': 0 generates nothing; it is only allowed with 'echo': true (scoring the "
                            "prompt)", param="max_tokens", code="invalid_value")
@@ -257,7 +304,38 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatCompletionRequest(_Request):
+# Template variables a request may not set through chat_template_kwargs: the server's own, and the tool and
+# document inputs this server does not implement (the `tools` field is refused; neither may they come this way).
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                                    "custom_tools", "builtin_tools", "functions", "tool_choice", "documents",
+                                    "raise_exception", "strftime_now"})
+TemplateValue = bool | int | float | Annotated[str, Field(max_length=MAX_STOP_CHARS)] | None
+
+
+class _TemplateVars(_Strict):
+    """vLLM's chat-template fields: `add_generation_prompt` and `chat_template_kwargs` (scalar values only)."""
+
+    add_generation_prompt: bool | None = Field(None, description="end the prompt with the assistant's turn "
+                                               "opening (default true)")
+    chat_template_kwargs: dict[Annotated[str, Field(max_length=64)], TemplateValue] | None = \
+        Field(None, max_length=32, description="more variables for the chat template, e.g. "
+              "{\"enable_thinking\": false}; scalar values")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template renders with besides the messages (empty: the defaults)."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.add_generation_prompt is not None:
+            out["add_generation_prompt"] = self.add_generation_prompt
+        return out
+
+    def check_template_vars(self) -> None:
+        reserved = RESERVED_TEMPLATE_VARS & set(self.chat_template_kwargs or ())
+        if reserved:
+            raise APIError(f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs",
+                           code="invalid_value")
+
+
+class ChatCompletionRequest(_Request, _TemplateVars):
     """`POST /v1/chat/completions`: `messages` are rendered by the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -273,6 +351,12 @@ class ChatCompletionRequest(_Request):
     function_call: Annotated[str | dict[str, Any] | None, _only({"type": "string", "enum": ["none"]}, _NO_TOOLS)] = \
         None
     parallel_tool_calls: Annotated[bool | None, _only({"type": "null"}, _NO_TOOLS)] = None
+    # vLLM's chat extras (add_generation_prompt and chat_template_kwargs: _TemplateVars).
+    continue_final_message: Annotated[bool | None, _only({"type": "boolean", "enum": [False]}, "not implemented")] = \
+        None
+    add_special_tokens: Annotated[bool | None, _only({"type": "boolean", "enum": [False]},
+                                                     "the chat template writes the special tokens")] = None
+    echo: Annotated[bool | None, _only({"type": "boolean", "enum": [False]}, "not implemented")] = None
 
     def max_new_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens; the newer one wins.
@@ -281,16 +365,20 @@ class ChatCompletionRequest(_Request):
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
 
+    def check_consistent(self) -> None:
+        super().check_consistent()
+        self.check_template_vars()
+
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Strict):
-    """`POST /tokenize` (vLLM's extension): a `prompt` as /v1/completions tokenizes it (no special tokens
-    unless `add_special_tokens`), or chat `messages` as /v1/chat/completions renders them (generation prompt
-    included). `return_token_strs`: each token's text alone, as logprobs name tokens."""
+class TokenizeRequest(_TemplateVars):
+    """`POST /tokenize` (vLLM's extension): a `prompt` as /v1/completions tokenizes it (the tokenizer's special
+    tokens, e.g. BOS, unless `add_special_tokens` is false), or chat `messages` as /v1/chat/completions renders
+    them (generation prompt included). `return_token_strs`: each token's text alone, as logprobs name tokens."""
 
     model: str | None = Field(None, max_length=256)
     prompt: str | None = None
@@ -307,6 +395,10 @@ class TokenizeRequest(_Strict):
         if self.messages is not None and self.add_special_tokens:
             raise APIError("'add_special_tokens' applies to a prompt; the chat template writes its own",
                            param="add_special_tokens", code="invalid_value")
+        if self.messages is None and (self.chat_template_kwargs is not None or self.add_generation_prompt is not None):
+            raise APIError("'chat_template_kwargs' and 'add_generation_prompt' apply to 'messages'",
+                           param="chat_template_kwargs", code="invalid_value")
+        self.check_template_vars()
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]

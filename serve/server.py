@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import inspect
 import logging
 import threading
 import time
@@ -119,7 +120,14 @@ async def read_body(request: fastapi.Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[dict]], list[int]],
+def _takes_kwargs(fn) -> bool:
+    try:
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+
+
+def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[..., list[int]],
               api_key: str | None = None, max_waiting: int = 256, request_timeout_s: float = 600.0,
               max_body_bytes: int = MAX_BODY_BYTES, max_prompt_logprobs: int = MAX_PROMPT_LOGPROBS) -> fastapi.FastAPI:
     """The FastAPI app serving `engine`.
@@ -130,7 +138,8 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
       tokenizer: the target's tokenizer: a `tokenizers.Tokenizer`, a transformers tokenizer, or anything with
         `encode(text) -> list[int]` and `decode(ids) -> str`.
       chat_template: OpenAI messages (dicts with role, content) -> prompt token ids, generation prompt
-        included (e.g. `serve.text.ChatFormatter`).
+        included (e.g. `serve.text.ChatFormatter`); one that takes **kwargs also gets the requests' template
+        variables (`add_generation_prompt`, vLLM's `chat_template_kwargs`).
       api_key: when set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise).
       max_waiting: engine requests admitted but not yet started, across the server; beyond it 429.
       request_timeout_s: a request running longer is aborted (504, or an error event in a stream).
@@ -173,11 +182,26 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
     async def _unexpected(request, e: Exception):
         return error_response(_internal_error(e))
 
-    def chat_ids(messages: list[dict]) -> list[int]:
+    takes_kwargs = _takes_kwargs(chat_template)
+
+    def chat_ids(messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        if template_kwargs and not takes_kwargs:
+            raise APIError("this server's chat template takes no variables (chat_template_kwargs, "
+                           "add_generation_prompt)", param="chat_template_kwargs", code="unsupported_parameter")
         try:
-            return list(chat_template(messages))
+            return list(chat_template(messages, **template_kwargs) if template_kwargs else chat_template(messages))
         except (ValueError, jinja2.TemplateError) as e:  # e.g. the template's raise_exception("...")
             raise APIError(f"cannot apply the chat template: {e}", param="messages", code="invalid_value") from None
+
+    def encode(text: str, special: bool | None) -> list[int]:
+        """A string prompt's ids: with the tokenizer's special tokens (e.g. BOS) unless `special` is False, as
+        vLLM encodes completions and /tokenize prompts (a tokenizer without them: as it encodes)."""
+        if isinstance(tok, TokenizerAdapter):
+            return tok.encode(text, add_special_tokens=special is not False)
+        if special:
+            raise APIError("this server's tokenizer cannot add special tokens", param="add_special_tokens",
+                           code="invalid_value")
+        return tok.encode(text)
 
     def check_ids(ids: list[int], param: str, what: str = "the prompt") -> list[int]:
         if not ids:
@@ -190,12 +214,12 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
     def prompts_of(req) -> list[Prompt]:
         """Runs in a worker thread: tokenization, templates and echo texts cost O(prompt)."""
         if isinstance(req, ChatCompletionRequest):
-            return [Prompt(check_ids(chat_ids(req.message_dicts()), "messages"))]
+            return [Prompt(check_ids(chat_ids(req.message_dicts(), req.template_kwargs()), "messages"))]
         prompts = req.prompts()
         out = []
         for i, p in enumerate(prompts):
             what = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-            ids = check_ids(list(p) if isinstance(p, list) else tok.encode(p), "prompt", what)
+            ids = check_ids(list(p) if isinstance(p, list) else encode(p, req.add_special_tokens), "prompt", what)
             out.append(echo_of(ids, tok.decode, p if isinstance(p, str) else None) if req.echo else Prompt(ids))
         return out
 
@@ -317,15 +341,8 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[[list[di
         return req
 
     def tokenize(req: TokenizeRequest) -> dict:
-        if req.messages is not None:
-            ids = chat_ids(req.message_dicts())
-        elif req.add_special_tokens:
-            if not isinstance(tok, TokenizerAdapter):
-                raise APIError("this server's tokenizer cannot add special tokens", param="add_special_tokens",
-                               code="invalid_value")
-            ids = tok.encode(req.prompt, add_special_tokens=True)
-        else:
-            ids = tok.encode(req.prompt)
+        ids = (chat_ids(req.message_dicts(), req.template_kwargs()) if req.messages is not None
+               else encode(req.prompt, req.add_special_tokens))
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": [names(i) for i in ids] if req.return_token_strs else None}
 

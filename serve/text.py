@@ -36,8 +36,8 @@ class TokenizerAdapter:
         self.tokenizer = tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids; `add_special_tokens` adds what the tokenizer adds around a text (e.g. BOS): only for
-        /tokenize's flag, never for prompts (the server's prompts are encoded without them)."""
+        """Token ids; `add_special_tokens` adds what the tokenizer adds around a text (e.g. BOS): what
+        /v1/completions and /tokenize do to a string prompt by default, as vLLM (a chat template writes its own)."""
         out = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return [int(i) for i in getattr(out, "ids", out)]
 
@@ -60,6 +60,14 @@ def as_text_tokenizer(tokenizer) -> TextTokenizer:
     return tokenizer
 
 
+MAX_TEMPLATE_ITEMS = 1 << 20  # longest string or list a template may build with `*`
+MAX_TEMPLATE_POWER = 64  # largest exponent a template may use with `**`
+
+
+class TemplateRenderError(ValueError):
+    """A chat template failed on these messages / variables (the request's fault: a 400)."""
+
+
 def _sandbox(template: str):
     """Compiles a chat template in an immutable sandbox with the helpers Hub templates expect."""
     import jinja2
@@ -73,7 +81,20 @@ def _sandbox(template: str):
         # jinja's own tojson escapes HTML characters, which chat templates do not want.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Env(ImmutableSandboxedEnvironment):
+        # Request values reach the template (messages, chat_template_kwargs): bound what `*` and `**` can build.
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int | float) and abs(right) > MAX_TEMPLATE_POWER:
+                raise jinja2.exceptions.SecurityError(f"exponent {right} is too large")
+            if operator == "*":
+                for seq, k in ((left, right), (right, left)):
+                    if isinstance(seq, str | list | tuple) and isinstance(k, int) and len(seq) * k > MAX_TEMPLATE_ITEMS:
+                        raise jinja2.exceptions.SecurityError("a repeated string or list would be too long")
+            return super().call_binop(context, operator, left, right)
+
+    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -108,9 +129,17 @@ class ChatFormatter:
                    bos_token=getattr(tokenizer, "bos_token", None) or "",
                    eos_token=getattr(tokenizer, "eos_token", None) or "")
 
-    def render(self, messages: Sequence[dict]) -> str:
-        """The prompt text: the template over `messages` with the assistant's generation prompt appended."""
-        return self._compiled.render(messages=list(messages), add_generation_prompt=True, **self._special)
+    def render(self, messages: Sequence[dict], **template_kwargs) -> str:
+        """The prompt text: the template over `messages` with the assistant's generation prompt appended (unless
+        `add_generation_prompt=False`); `template_kwargs` are further template variables (vLLM's
+        `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+        variables = {"add_generation_prompt": True, **template_kwargs, "messages": list(messages), **self._special}
+        try:
+            return self._compiled.render(**variables)
+        except MemoryError:
+            raise
+        except Exception as e:  # whatever the template does with request values (raise_exception, 1/0, ...)
+            raise TemplateRenderError(f"{type(e).__name__}: {e}") from None
 
-    def __call__(self, messages: Sequence[dict]) -> list[int]:
-        return self._encode(self.render(messages))
+    def __call__(self, messages: Sequence[dict], **template_kwargs) -> list[int]:
+        return self._encode(self.render(messages, **template_kwargs))

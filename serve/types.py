@@ -50,8 +50,8 @@ class TokenLogprob:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RequestOutput:
     """New tokens of one request since its last report. `finish_reason` is set exactly once, on the last
-    report: "stop" (EOS or a stop token id; the stop token is not included), "length" (max_tokens or the
-    model's context) or "abort" (cancelled or failed; then `error` may hold a message)."""
+    report: "stop" (EOS or a stop token id: that token is not in `token_ids` but in `stop_token`), "length"
+    (max_tokens or the model's context) or "abort" (cancelled or failed; then `error` may hold a message)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -61,6 +61,10 @@ class RequestOutput:
     # Aligned with prompt_ids, on the first report only, when the request asked for prompt_logprobs.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     status: int | None = None  # with error: the HTTP status the failure maps to (4xx: the request's fault)
+    # With finish_reason "stop" from EOS or a stop token id: that token, with its logprob when the request asked
+    # for logprobs (else logprob None). The server reports it as vLLM does: counted in usage and listed in
+    # logprobs, its text left out.
+    stop_token: TokenLogprob | None = None
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -536,6 +536,13 @@ def test_stop_tokens_and_lengths():
     drain(core, out)
     for rid, (*_, chunks) in cases.items():
         assert out.chunks(rid) == chunks, rid
+    # The token that stopped a request travels apart, on its last report (no logprobs asked: none).
+    stops = {"eos": E, "stop_id": 53, "eos_first": E, "stop_id_ignore_eos": 202}
+    for rid in cases:
+        stop = out.by_id[rid][-1][1].stop_token
+        assert (None if stop is None else (stop.token_id, stop.logprob)) == (
+            (stops[rid], None) if rid in stops else None), rid
+        assert all(o.stop_token is None for _, o in out.by_id[rid][:-1]), rid
     assert all_pages_free(core)
 
 

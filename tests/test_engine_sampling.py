@@ -16,6 +16,7 @@ through `EngineCore.step` (the engine thread's loop body) so each test is determ
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -237,8 +238,10 @@ def test_logprobs_equal_the_targets_log_softmax(models, runner, scheduler):
          for i, (k, params) in enumerate(zip([3, 8, None, 1, 5, 2, 0, 4, 20, 6, 7, None] * 2, [
              {"temperature": 1.0}, greedy, {"temperature": 1.0}, FILTERED] * 6, strict=True))},
     ]
+    seen = {}
     for wave in waves:
         outs = _run(core, wave)
+        seen.update(outs)
         rows = {rid: prompt + _tokens(outs[rid]) for rid, (prompt, _) in wave.items()}
         ref = dict(zip(rows, _padded_logits(target, list(rows.values())), strict=True))
         for rid, (prompt, params) in wave.items():
@@ -256,6 +259,25 @@ def test_logprobs_equal_the_targets_log_softmax(models, runner, scheduler):
                 top = sorted(range(V_SMALL), key=lambda v: -exact[v])[:min(params.logprobs, V_SMALL)]
                 assert [t for t, _ in lp.top] == top, (rid, j, lp.top)
                 np.testing.assert_allclose([v for _, v in lp.top], exact[top], atol=1e-4)
+    # A stop token id ends a greedy row and is reported apart (RequestOutput.stop_token), with the logprob the
+    # row reported for that token when it ran on.
+    stopped = {}
+    for rid, (prompt, params) in waves[0].items():
+        toks = _tokens(seen[rid])
+        j = max(j for j, t in enumerate(toks) if t not in toks[:j])  # the last token's first occurrence
+        stopped[rid] = (prompt, dataclasses.replace(params, stop_token_ids=(toks[j],)), j)
+    outs = _run(core, {rid: (p, params) for rid, (p, params, _) in stopped.items()})
+    for rid, (_, params, j) in stopped.items():
+        full = [lp for o in seen[rid] for lp in (o.logprobs or ())]
+        assert _tokens(outs[rid]) == _tokens(seen[rid])[:j] and outs[rid][-1].finish_reason == "stop", rid
+        stop = outs[rid][-1].stop_token
+        assert stop.token_id == params.stop_token_ids[0], rid
+        if params.logprobs is None:
+            assert stop.logprob is None, rid
+        else:
+            assert [t for t, _ in stop.top] == [t for t, _ in full[j].top], rid
+            np.testing.assert_allclose([stop.logprob] + [v for _, v in stop.top],
+                                       [full[j].logprob] + [v for _, v in full[j].top], atol=1e-4, err_msg=rid)
     # Every kind of emitted token was checked: accepted drafts, rejected ones (then a recovered token), all
     # three accepted (then a bonus token), and (dspark) passes without drafts as well as with.
     assert core.accepts[0] > 0 and np.any(core.accepts < core.attempts) and core.accepts[-1] > 0, core.accepts

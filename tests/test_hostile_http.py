@@ -255,8 +255,10 @@ def test_harmless_parameters_are_accepted(http):
     assert r.json()["choices"][0]["message"]["content"] == text(expected_ids(101, 9))
 
 
-@pytest.mark.parametrize("stop,ok", [("x" * 256, True), ("x" * 257, False), (["a", "b", "c", "d"], True),
-                                     (["a"] * 5, False), ([""], False), ("", False), (["a", 3], False)])
+@pytest.mark.parametrize("stop,ok", [("x" * 256, True), ("x" * 257, False), (["a", "b", "c", "d", "e", "f"], True),
+                                     ([f"s{i}" for i in range(64)], True), (["a"] * 65, False),
+                                     (["x" * 256] * 4, True), (["x" * 256] * 4 + ["y"], False), ([""], False),
+                                     ("", False), (["a", 3], False)])
 def test_stop_strings_are_bounded(http, stop, ok):
     r = http.post("/v1/completions", json={**REF_COMPLETION, "max_tokens": 2, "stop": stop})
     if ok:

@@ -149,12 +149,15 @@ class FakeEngine:
                     finish = "abort"
                 else:
                     offset = p.seed if p.temperature > 0 and p.seed is not None else 0
-                    new, finish = [], "length" if p.max_tokens == 0 else None
+                    new, finish, stop = [], "length" if p.max_tokens == 0 else None, None
                     for _ in range(self.per_report if p.max_tokens else 0):
                         t = next_token(s["last"], offset)
                         s["last"] = t
                         if t in p.stop_token_ids or (t == EOS and not p.ignore_eos):
                             finish = "stop"
+                            want = p.logprobs is not None and not self.no_logprobs
+                            stop = TokenLogprob(token_id=t, logprob=fake_logprob(t) if want else None,
+                                                top=fake_top(t, p.logprobs) if want else ())
                             break
                         new.append(t)
                         if len(s["generated"]) + len(new) >= p.max_tokens:
@@ -171,7 +174,7 @@ class FakeEngine:
                             for t in req.prompt_ids[1:])
                     s["reported"] = True
                     out = RequestOutput(request_id=rid, token_ids=tuple(new), finish_reason=finish, logprobs=lps,
-                                        prompt_logprobs=plps)
+                                        prompt_logprobs=plps, stop_token=stop)
                 if finish is not None:
                     del self._running[rid]
                     self.free_pages += self.pages_for(req)
@@ -397,9 +400,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "temperature": 2.5}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "top_k": -2}, 400, "top_k"),
-    ("/v1/completions", {"model": MODEL, "prompt": "t1", "n": 9}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "n": 129}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"model": MODEL, "prompt": "t1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "stop": ["a"] * 65}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["t1", [2]]}, 400, "prompt"),  # strings and ids mixed
     ("/v1/completions", {"model": MODEL, "prompt": [[1], []]}, 400, "prompt"),

@@ -23,6 +23,7 @@ from test_server import (
     expected_ids,
     fake_logprob,
     fake_top,
+    text,
 )
 
 from serve import responses as R
@@ -123,6 +124,41 @@ def test_lm_eval_loglikelihood_request(http):
     assert top == _top(13, 1)
 
 
+def test_the_stop_token_is_counted_and_listed_but_not_shown(client, http):
+    """As vLLM: the token that stops a choice (EOS or a stop token id) counts in usage and comes last in the
+    logprobs, with no text. So lm-eval's token_logprobs[ctxlen:-1] is still the continuation's when the target's
+    next token after it is the stop (here the fake's next token after t14 is t1)."""
+    ctx, cont = [10, 11, 12], [13, 14]
+    body = {"model": MODEL, "prompt": ctx + cont, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+            "stop_token_ids": [1]}
+    out = http.post("/v1/completions", json=body).json()
+    c = out["choices"][0]
+    assert (c["text"], c["finish_reason"]) == ("t10 t11 t12 t13 t14", "stop")
+    lp = c["logprobs"]
+    assert lp["token_logprobs"][len(ctx):-1] == [fake_logprob(13), fake_logprob(14)]
+    assert (lp["tokens"][-1], lp["token_logprobs"][-1], lp["text_offset"][-1]) == ("t1", fake_logprob(1), 19)
+    assert out["usage"]["completion_tokens"] == 1
+    # Generated text: "t10 t73" then t14 stops it (listed, not shown); streamed the same.
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=9, logprobs=0,
+                                  extra_body={"stop_token_ids": [14]})
+    got = r.choices[0]
+    assert (got.text, got.finish_reason, r.usage.completion_tokens) == ("t10 t73", "stop", 3)
+    assert (got.logprobs.tokens, got.logprobs.text_offset) == (["t10", "t73", "t14"], [0, 3, 7])
+    chunks = list(client.completions.create(model=MODEL, prompt="t1", max_tokens=9, logprobs=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"stop_token_ids": [14]}))
+    assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), []) == [
+        "t10", "t73", "t14"]
+    assert chunks[-1].usage.completion_tokens == 3
+    # Without logprobs it is still counted; chat lists it too.
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=9, extra_body={"stop_token_ids": [14]})
+    assert (r.choices[0].text, r.usage.completion_tokens) == ("t10 t73", 3)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t1"}], max_tokens=9,
+                                       logprobs=True, extra_body={"stop_token_ids": [14]})
+    assert [x.token for x in r.choices[0].logprobs.content][-1] == "t14" and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(r.choices[0].logprobs.content)
+
+
 def test_echo_streams_the_prompt_first(client):
     chunks = list(client.completions.create(model=MODEL, prompt=[[1, 2], [3]], max_tokens=3, temperature=0,
                                             echo=True, logprobs=0, stream=True))
@@ -205,3 +241,93 @@ def test_openapi_describes_the_new_routes_and_fields(http):
     assert props["echo"]["anyOf"][0] == {"type": "boolean"} and props["max_tokens"]["anyOf"][0]["minimum"] == 0
     batch = [a for a in props["prompt"]["anyOf"] if a["type"] == "array" and a["items"].get("type") == "array"]
     assert batch[0]["items"]["items"]["maximum"] == FakeEngine.vocab_size - 1 and batch[0]["maxItems"] == 128
+
+
+# ---- vLLM's request extras ------------------------------------------------------------------------------------
+def _bos_app(engine, template=None):
+    """The server over a tokenizer that prepends a BOS (here <|im_start|>) to a text, as Llama's do."""
+    from test_server import TEMPLATE, make_tokenizer
+    from tokenizers import processors
+
+    from serve.server import build_app
+    from serve.text import ChatFormatter, TokenizerAdapter
+
+    tok = make_tokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                       special_tokens=[("<|im_start|>", IM_START)])
+    return build_app(engine, tok, chat_template=ChatFormatter(template or TEMPLATE, TokenizerAdapter(tok).encode))
+
+
+def test_string_prompts_get_the_tokenizers_special_tokens_as_in_vllm(engine):
+    """Completions and /tokenize encode a string prompt with its BOS unless `add_special_tokens` is false; token
+    ids and chat prompts (the template writes its own) are left as they are."""
+    with ServerThread(_bos_app(engine)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+        def sent(body, path="/v1/completions"):
+            r = c.post(path, json={"model": MODEL, "max_tokens": 2, **body})
+            assert r.status_code == 200, r.text
+            return engine.added[-1].prompt_ids, r.json()
+
+        ids, out = sent({"prompt": "t1", "echo": True})
+        assert ids == [IM_START, 1] and out["choices"][0]["text"] == "t1 " + text(expected_ids(1, 2))
+        assert out["usage"]["prompt_tokens"] == 2
+        assert sent({"prompt": "t1", "add_special_tokens": False})[0] == [1]
+        assert sent({"prompt": [5, 6]})[0] == [5, 6]
+        assert sent({"messages": [{"role": "user", "content": "t1"}]}, "/v1/chat/completions")[0] == [
+            IM_START, 1, EOS, IM_START]
+        assert c.post("/tokenize", json={"prompt": "t1"}).json()["tokens"] == [IM_START, 1]
+        assert c.post("/tokenize", json={"prompt": "t1", "add_special_tokens": False}).json()["tokens"] == [1]
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "t1"}],
+                                                 "add_special_tokens": True})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+
+
+def test_chat_template_kwargs_and_add_generation_prompt(engine):
+    template = ("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>{% if think is defined and not think %}t9{% endif %}"
+                "{% endif %}{% if rep is defined %}{{ ' t2' * rep }}{% endif %}{% if d is defined %}{{ 1 / d }}"
+                "{% endif %}{% if p is defined %}{{ 2 ** p }}{% endif %}")
+    msgs = [{"role": "user", "content": "t1"}]
+    with ServerThread(_bos_app(engine, template)) as s, httpx.Client(base_url=s.base_url, timeout=10) as c:
+        def ids(**extra):
+            r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1, **extra})
+            return engine.added[-1].prompt_ids if r.status_code == 200 else r.json()["error"]
+
+        assert ids() == [IM_START, 1, EOS, IM_START]
+        assert ids(chat_template_kwargs={"think": False}) == [IM_START, 1, EOS, IM_START, 9]
+        assert ids(chat_template_kwargs={"think": True}) == [IM_START, 1, EOS, IM_START]
+        assert ids(add_generation_prompt=False) == [IM_START, 1, EOS]
+        assert ids(chat_template_kwargs={"rep": 2}) == [IM_START, 1, EOS, IM_START, 2, 2]
+        for bad in ({"messages": "t1"}, {"tools": "t1"}, {"documents": 1}, {"v": [1]}, {"v": {"a": 1}}):
+            err = ids(chat_template_kwargs=bad)
+            assert err["param"].startswith("chat_template_kwargs") and err["code"] == "invalid_value", (bad, err)
+        # Whatever the template does with a request's values is the request's fault (400), and bounded.
+        for bad in ({"d": 0}, {"rep": 10**9}, {"p": 10**9}):
+            err = ids(chat_template_kwargs=bad)
+            assert (err["param"], err["code"]) == ("messages", "invalid_value"), (bad, err)
+        # /tokenize renders a chat the same way.
+        r = c.post("/tokenize", json={"messages": msgs, "chat_template_kwargs": {"think": False}})
+        assert r.json()["tokens"] == [IM_START, 1, EOS, IM_START, 9], r.text
+        r = c.post("/tokenize", json={"prompt": "t1", "add_generation_prompt": False})
+        assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+      "min_tokens": 0, "use_beam_search": False, "priority": 3, "prompt_cache_key": "k", "safety_identifier": "s",
+      "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}, None),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"min_tokens": 3}, "min_tokens"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+])
+def test_vllm_sampling_extras_at_their_defaults_are_accepted(http, extra, param):
+    """vLLM clients send these at vLLM's defaults; a value this server does not implement is a 400 naming it."""
+    for path, body in (("/v1/completions", {"prompt": "t1"}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "t1"}]})):
+        r = http.post(path, json={"model": MODEL, "max_tokens": 2, **body, **extra})
+        if param is None:
+            assert r.status_code == 200, r.text
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
