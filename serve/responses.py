@@ -190,6 +190,12 @@ class HealthStatus(BaseModel):
     status: Literal["ok", "unhealthy"]
 
 
+class Version(BaseModel):
+    """GET /version (vLLM's): the server's package version."""
+
+    version: str
+
+
 class TokenStrings:
     """token id -> its text alone, cached (logprobs name every alternative by its string)."""
 

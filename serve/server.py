@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON, or SSE `data: {...}` chunks ending with
 `data: [DONE]` when `stream` is true), GET /v1/models, GET /health, GET /metrics (Prometheus text), vLLM's
-POST /tokenize, POST /detokenize and GET /tokenizer_info (the server's own tokenizer, so clients such as
+GET /version, POST /tokenize, POST /detokenize and GET /tokenizer_info (the server's own tokenizer, so clients such as
 lm-eval count and split tokens as the server does), and the OpenAPI schema of all of them at /openapi.json
 (request bodies from serve/protocol.py, responses from serve/responses.py; /docs renders it).
 
@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import dspark_jax
 from dspark_jax.sampling import check_params
 from serve import responses as R
 from serve.generation import Admission, ClientDisconnected, Generation, Prompt, echo_of
@@ -379,6 +380,10 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[..., lis
     async def models() -> dict:
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
                                             "owned_by": "dspark-jax", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/version", response_model=R.Version)
+    async def version() -> dict:
+        return {"version": dspark_jax.__version__}
 
     @app.get("/health", response_model=R.HealthStatus, responses={503: {"model": R.HealthStatus}})
     async def health() -> Response:

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import dspark_jax
 import serve.server
 from serve import cli
 from serve import responses as R
@@ -378,6 +379,7 @@ def test_models_and_health(client, http, engine):
     assert [m.id for m in client.models.list()] == [MODEL]
     r = http.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert http.get("/version").json() == {"version": dspark_jax.__version__}
     engine.broken = True
     try:
         assert http.get("/health").status_code == 503
