@@ -216,12 +216,12 @@ class EngineCore:
                 self.waiting.remove(r)
 
     def _finish(self, r: _Req, tokens: list[int], reason: str, error: str | None = None, logprobs=None,
-                status: int | None = None, prompt_logprobs=None, stop_token=None) -> None:
+                status: int | None = None, prompt_logprobs=None) -> None:
         r.done = True
         self._release(r)
         with self._lock:
             self.by_id.pop(r.rid, None)
-        self._emit(r, tokens, reason, error, logprobs, status, prompt_logprobs, stop_token)
+        self._emit(r, tokens, reason, error, logprobs, status, prompt_logprobs, r.stop_token)
 
     def _take(self, r: _Req, tokens: list[int], logprobs=None) -> tuple[list[int], list | None, str | None]:
         """Appends emitted tokens up to a stop; returns (tokens to stream, their logprobs, finish reason). A stop
@@ -301,7 +301,7 @@ class EngineCore:
             out, lps, reason = self._take(r, [tok], lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
-                self._finish(r, out, reason, logprobs=lps, prompt_logprobs=plps, stop_token=r.stop_token)
+                self._finish(r, out, reason, logprobs=lps, prompt_logprobs=plps)
                 return
             self._emit(r, out, logprobs=lps, prompt_logprobs=plps)
             r.anchor = tok
@@ -451,7 +451,7 @@ class EngineCore:
             out, lps, reason = self._take(r, emitted, lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
-                self._finish(r, out, reason, logprobs=lps, stop_token=r.stop_token)
+                self._finish(r, out, reason, logprobs=lps)
             elif out:
                 self._emit(r, out, logprobs=lps)
 

@@ -313,13 +313,17 @@ TemplateValue = bool | int | float | Annotated[str, Field(max_length=MAX_STOP_CH
 
 
 class _TemplateVars(_Strict):
-    """vLLM's chat-template fields: `add_generation_prompt` and `chat_template_kwargs` (scalar values only)."""
+    """What renders `messages` (the subclass's field): vLLM's `add_generation_prompt` and `chat_template_kwargs`
+    (scalar values only)."""
 
     add_generation_prompt: bool | None = Field(None, description="end the prompt with the assistant's turn "
                                                "opening (default true)")
     chat_template_kwargs: dict[Annotated[str, Field(max_length=64)], TemplateValue] | None = \
         Field(None, max_length=32, description="more variables for the chat template, e.g. "
               "{\"enable_thinking\": false}; scalar values")
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template renders with besides the messages (empty: the defaults)."""
@@ -362,9 +366,6 @@ class ChatCompletionRequest(_Request, _TemplateVars):
         # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens; the newer one wins.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
-
     def check_consistent(self) -> None:
         super().check_consistent()
         self.check_template_vars()
@@ -399,9 +400,6 @@ class TokenizeRequest(_TemplateVars):
             raise APIError("'chat_template_kwargs' and 'add_generation_prompt' apply to 'messages'",
                            param="chat_template_kwargs", code="invalid_value")
         self.check_template_vars()
-
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
 
 
 class DetokenizeRequest(_Strict):
