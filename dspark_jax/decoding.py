@@ -96,6 +96,42 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+PACKED_PREFILL_TOKENS = 8192  # flat rows of one packed prefill pass of `generate`
+
+
+def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k, top_p) -> np.ndarray:
+    """Prefills every row → the token sampled after each prompt (round 0 of the row's key), int32 [B].
+
+    Prompts of at most the largest chunk bucket are packed many to a pass (`ModelRunner.prefill_many`: one
+    program of `rows` requests of ≤ q tokens, q the chunk bucket of the longest), read back once at the end; a
+    longer prompt runs chunk by chunk, one request per pass, as the serving engine prefills. Either way each
+    row's tokens and key are its own, so its output does not depend on how rows were packed."""
+    B, chunk = len(prompts), runner.chunk_sizes[-1]
+    anchors = np.zeros(B, np.int32)
+    short = [b for b, p in enumerate(prompts) if len(p) <= chunk]
+    for b, p in enumerate(prompts):
+        if len(p) <= chunk:
+            continue
+        for start in range(0, len(p), chunk):
+            anchors[b] = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
+                                        top_p)[0]
+    if short:
+        q = pick(max(len(prompts[b]) for b in short), runner.chunk_sizes)
+        rows = min(_pow2_at_least(len(short)), max(1, PACKED_PREFILL_TOKENS // q))
+        passes = []
+        for i in range(0, len(short), rows):
+            part = short[i : i + rows]
+            n = len(part)
+            passes.append((part, runner.prefill_many(
+                [prompts[b] for b in part], tables[part], keys[part], np.full(n, temperature, np.float32),
+                np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), rows=rows, capacity=rows * q,
+                max_q_len=q)))
+        tokens = jax.device_get([tok for _, tok in passes])  # one read-back for every pass
+        for (part, _), tok in zip(passes, tokens, strict=True):
+            anchors[part] = tok[: len(part)]
+    return anchors
+
+
 def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p, seed,
                    ignore_eos, on_tokens=None, kernels="auto", on_round=None, kv_dtype="auto") -> GenerateResult:
     """Target-only or speculative decoding of a batch through the serving engine's round
@@ -136,12 +172,8 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
             on_tokens(b, taken)
 
     t0 = time.perf_counter()
-    chunk = runner.chunk_sizes[-1]
-    anchors = np.zeros(B, np.int32)
-    for b, p in enumerate(prompts):  # chunked prefill; the token after the prompt is round 0 of the row's key
-        for start in range(0, len(p), chunk):
-            anchors[b] = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
-                                        top_p)[0]
+    anchors = _prefill_rows(runner, prompts, tables, keys, temperature, top_k, top_p)
+    for b in range(B):
         push(b, anchors[b : b + 1])
     t1 = time.perf_counter()
 

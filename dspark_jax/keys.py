@@ -41,9 +41,17 @@ def key_data_of(seed: int, indices) -> np.ndarray:
     indices = np.asarray(indices, np.int64)
     if indices.size and not (0 <= indices.min() and indices.max() < 2**32):
         raise ValueError("request indices must lie in [0, 2^32)")
-    base = jax.random.wrap_key_data(jnp.asarray(request_key_data(seed)))
-    keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(indices.astype(np.uint32)))
-    return np.asarray(jax.random.key_data(keys))
+    n = indices.size
+    padded = np.zeros(1 << max(0, n - 1).bit_length(), np.uint32)  # a power-of-two length: few compiled shapes
+    padded[:n] = indices
+    return np.asarray(_fold_indices(request_key_data(seed), padded))[:n]
+
+
+@jax.jit
+def _fold_indices(key_data: jax.Array, indices: jax.Array) -> jax.Array:
+    """uint32 [n, 2]: key_data(fold_in(key, i)) for each i of `indices` [n]."""
+    base = jax.random.wrap_key_data(key_data)
+    return jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(base, i))(indices))
 
 
 def row_keys(seed: int, rows: int) -> jax.Array:

@@ -270,7 +270,7 @@ def prefill_program(target_params, drafter_params, target_kv, drafter_kv, chunk:
     chunk's last real position [b] (round 0 of each request's key), its logprobs [b], prompt logprobs [C]: row t
     scores `next_tokens[t]` under the target's logits at row t, computed only when asked (zeros otherwise)).
     The serving engine prefills one request per pass (b = 1, a chunk bucket of rows); data generation
-    (train/regenerate.py) packs many short prompts into one pass."""
+    (train/regenerate.py) and `generate` pack many short prompts into one pass."""
     tokens, b = chunk.tokens, chunk.starts.shape[0]
     TRACES[_model_key(target_graph, drafter_graph), _pool_key(target_kv, chunk.block_tables), "prefill",
            tokens.shape[0], b, max_q_len] += 1

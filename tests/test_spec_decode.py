@@ -157,15 +157,13 @@ def small_vocab_target(tmp_path_factory):
 def _exact_joint(target, prompt, temperature, top_k, top_p, n=3):
     """P(x1..xn | prompt) of the filtered target, by enumerating every prefix."""
     V = target.config.vocab_size
-    joint = np.zeros((V,) * n)
-    for prefix in itertools.product(range(V), repeat=n - 1):
-        ids = np.array([prompt + list(prefix)], np.int32)
-        logits = target.logits(ids)[:, len(prompt) - 1:]  # [1, n, V]
-        one = np.ones(1)
-        p = np.asarray(filter_probs(logits, one * temperature, (one * top_k).astype(np.int32), one * top_p))[0]
-        prob = np.prod([p[i, prefix[i]] for i in range(n - 1)]) * p[n - 1]
-        joint[prefix] = prob
-    return joint
+    prefixes = np.array(list(itertools.product(range(V), repeat=n - 1)), np.int32)  # [m, n - 1], C order
+    m = len(prefixes)
+    ids = np.concatenate([np.tile(np.array(prompt, np.int32), (m, 1)), prefixes], axis=1)
+    logits = target.logits(ids)[:, len(prompt) - 1:]  # [m, n, V]: every prefix in one forward
+    p = np.asarray(filter_probs(logits, np.full(m, temperature), np.full(m, top_k, np.int32), np.full(m, top_p)))
+    prefix_prob = p[np.arange(m)[:, None], np.arange(n - 1), prefixes].prod(axis=1)  # [m]
+    return (prefix_prob[:, None] * p[:, n - 1]).reshape((V,) * n)
 
 
 def _chi2_pvalue(counts, expected):
@@ -308,6 +306,19 @@ def test_sampling_with_a_fixed_seed_is_reproducible(tiny_target):
     assert a == b
     assert a != c
     assert len({tuple(t) for t in a}) > 1  # rows draw from their own streams
+
+
+def test_a_rows_sample_does_not_depend_on_how_prefill_packed_it(tiny_target):
+    """`generate` packs short prompts many to a prefill pass and runs a prompt longer than a chunk alone: a
+    row's tokens are the same whichever way its neighbours went (its own key, its own pages)."""
+    d = _drafter(tiny_target, "dspark", 4, scramble=0.5)
+    kw = dict(max_new_tokens=12, temperature=1.0, ignore_eos=True, seed=3)
+    prompts = _prompts()
+    long = list(map(int, np.random.default_rng(9).integers(3, 128, size=150)))  # > the 128-token chunk
+    packed = dspark_jax.generate(tiny_target, prompts, d, **kw).tokens
+    mixed = dspark_jax.generate(tiny_target, [prompts[0], long, *prompts[2:]], d, **kw).tokens
+    assert [mixed[i] for i in (0, 2, 3)] == [packed[i] for i in (0, 2, 3)]
+    assert packed[1] != mixed[1]
 
 
 @pytest.mark.parametrize("backend,attention,markov", [("cpu", False, False), ("gpu", True, False),
