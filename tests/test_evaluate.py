@@ -34,16 +34,17 @@ class Recorder:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        init, prefill, dispatch = runner.ModelRunner.__init__, runner.ModelRunner.prefill, runner.ModelRunner.dispatch
+        init, dispatch = runner.ModelRunner.__init__, runner.ModelRunner.dispatch
+        prefill_pass = runner.ModelRunner._prefill_pass  # under `prefill` and `prefill_many` alike
 
         def init_(obj, *a, **k):
             init(obj, *a, **k)
             self.calls.append({"first": [], "rounds": []})
 
-        def prefill_(obj, tokens, start, *a, **k):
-            out = prefill(obj, tokens, start, *a, **k)
-            assert start == 0, "one chunk per prompt here"
-            self.calls[-1]["first"].append(out[0])
+        def prefill_(obj, chunks, starts, *a, **k):
+            out = prefill_pass(obj, chunks, starts, *a, **k)
+            assert not any(starts), "one chunk per prompt here"
+            self.calls[-1]["first"].extend(np.asarray(out[0])[: len(chunks)].tolist())
             return out
 
         def dispatch_(obj, *a, **k):
@@ -54,7 +55,7 @@ class Recorder:
             return out
 
         monkeypatch.setattr(runner.ModelRunner, "__init__", init_)
-        monkeypatch.setattr(runner.ModelRunner, "prefill", prefill_)
+        monkeypatch.setattr(runner.ModelRunner, "_prefill_pass", prefill_)
         monkeypatch.setattr(runner.ModelRunner, "dispatch", dispatch_)
 
 
