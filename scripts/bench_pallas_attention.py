@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +37,7 @@ from pallas_kernels.ragged_verify_attention import (  # noqa: E402
     ragged_verify_attention,
     ragged_verify_attention_reference,
 )
+from pallas_kernels.timing import bench_setup, mode_line, timed  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,23 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="the CPU smoke-test shape even on an accelerator")
     return p.parse_args(argv)
-
-
-def timed(fn, *args, repeats: int) -> float:
-    """Median seconds per call after one warm-up (compilation) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def copy_bandwidth(repeats: int, nbytes: int) -> float:
-    """Bytes/s of a jitted elementwise pass (reads and writes nbytes each)."""
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    return 2 * nbytes / timed(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
 
 
 def make_inputs(R, C, max_q, N, K, H, page_size, dtype, seed=0):
@@ -102,19 +84,15 @@ def make_inputs(R, C, max_q, N, K, H, page_size, dtype, seed=0):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    platform = jax.default_backend()
-    tiny = args.tiny or platform == "cpu"
+    platform, tiny, interpret, repeats, bandwidth = bench_setup(args.tiny, args.repeats)
     requests = args.requests or ([2, 4] if tiny else [16, 64])
     contexts = args.context or ([64] if tiny else [2048, 8192])
     N = args.heads or (4 if tiny else 32)
     K = args.kv_heads or (2 if tiny else 8)
     H = args.head_dim or (64 if tiny else 128)
     dtype = jnp.dtype(args.dtype)
-    interpret = platform == "cpu"
-    repeats = min(args.repeats, 3) if interpret else args.repeats
-    bandwidth = copy_bandwidth(repeats, (64 << 20) if tiny else (1 << 30))
 
-    mode = "INTERPRET MODE on CPU: timings are not kernel speed, a smoke test only" if interpret else "compiled"
+    mode = mode_line(interpret)
     print(f"ragged_verify_attention on {jax.devices()[0].device_kind} ({platform}), {mode}")
     print(f"N={N} K={K} H={H} page_size={args.page_size} q_len 1..{args.max_q} {dtype.name}; "
           f"measured copy bandwidth {bandwidth / 1e9:.1f} GB/s")

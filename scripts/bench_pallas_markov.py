@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable (p
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pallas_kernels.markov_sample import markov_sample, markov_sample_reference  # noqa: E402
+from pallas_kernels.timing import bench_setup, mode_line, timed  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,23 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def timed(fn, *args, repeats: int) -> float:
-    """Median seconds per call after one warm-up (compilation) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def copy_bandwidth(repeats: int, nbytes: int) -> float:
-    """Bytes/s of a jitted elementwise pass (reads and writes nbytes each)."""
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    return 2 * nbytes / timed(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
-
-
 def make_inputs(B, L, V, R, dtype, seed=0):
     k = jax.random.split(jax.random.key(seed), 5)
     U = (2.0 * jax.random.normal(k[0], (B, L, V))).astype(dtype)
@@ -83,17 +65,13 @@ def make_inputs(B, L, V, R, dtype, seed=0):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    platform = jax.default_backend()
-    tiny = args.tiny or platform == "cpu"
+    platform, tiny, interpret, repeats, bandwidth = bench_setup(args.tiny, args.repeats)
     batches = args.batch or ([1, 4] if tiny else [1, 16, 64])
     V = args.vocab or (4096 if tiny else 151936)
     R = args.rank or (16 if tiny else 256)
     L, dtype = args.block, jnp.dtype(args.dtype)
-    interpret = platform == "cpu"
-    repeats = min(args.repeats, 3) if interpret else args.repeats
-    bandwidth = copy_bandwidth(repeats, (64 << 20) if tiny else (1 << 30))
 
-    mode = "INTERPRET MODE on CPU: timings are not kernel speed, a smoke test only" if interpret else "compiled"
+    mode = mode_line(interpret)
     print(f"markov_sample on {jax.devices()[0].device_kind} ({platform}), {mode}")
     print(f"V={V} R={R} L={L} {dtype.name}; measured copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     header = (f"{'B':>4} {'split_v':>8} {'kernel ms':>10} {'ref ms':>8} {'speedup':>8} {'kernel GB/s':>12} "
