@@ -96,39 +96,47 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-PACKED_PREFILL_TOKENS = 8192  # flat rows of one packed prefill pass of `generate`
+PACKED_PREFILL_TOKENS = 8192  # most prompt tokens in one packed prefill pass of `generate`
+PACKED_PREFILL_ROWS = 256  # most prompts in one
 
 
 def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k, top_p) -> np.ndarray:
     """Prefills every row → the token sampled after each prompt (round 0 of the row's key), int32 [B].
 
-    Prompts of at most the largest chunk bucket are packed many to a pass (`ModelRunner.prefill_many`: one
-    program of `rows` requests of ≤ q tokens, q the chunk bucket of the longest), read back once at the end; a
-    longer prompt runs chunk by chunk, one request per pass, as the serving engine prefills. Either way each
-    row's tokens and key are its own, so its output does not depend on how rows were packed."""
-    B, chunk = len(prompts), runner.chunk_sizes[-1]
-    anchors = np.zeros(B, np.int32)
-    short = [b for b, p in enumerate(prompts) if len(p) <= chunk]
+    Prompts of at most the largest chunk bucket are packed back to back, many to a pass
+    (`ModelRunner.prefill_many`; a pass's flat rows, requests and longest prompt bucketed to powers of two and
+    chunk buckets, so a handful of shapes compile), and read back once at the end; a longer prompt runs chunk by
+    chunk, one request per pass, as the serving engine prefills. Either way each row's tokens, pages and key are
+    its own, so its output does not depend on how rows were packed."""
+    chunk = runner.chunk_sizes[-1]
+    anchors = np.zeros(len(prompts), np.int32)
+    passes, part, total = [], [], 0
+
+    def pack(part: list[int]):
+        lens = [len(prompts[b]) for b in part]
+        q = pick(max(lens), runner.chunk_sizes)
+        n = len(part)
+        return part, runner.prefill_many(
+            [prompts[b] for b in part], tables[part], keys[part], np.full(n, temperature, np.float32),
+            np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), rows=_pow2_at_least(n),
+            capacity=max(q, _pow2_at_least(sum(lens))), max_q_len=q)
+
     for b, p in enumerate(prompts):
-        if len(p) <= chunk:
+        if len(p) > chunk:
+            for start in range(0, len(p), chunk):
+                anchors[b] = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
+                                            top_p)[0]
             continue
-        for start in range(0, len(p), chunk):
-            anchors[b] = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
-                                        top_p)[0]
-    if short:
-        q = pick(max(len(prompts[b]) for b in short), runner.chunk_sizes)
-        rows = min(_pow2_at_least(len(short)), max(1, PACKED_PREFILL_TOKENS // q))
-        passes = []
-        for i in range(0, len(short), rows):
-            part = short[i : i + rows]
-            n = len(part)
-            passes.append((part, runner.prefill_many(
-                [prompts[b] for b in part], tables[part], keys[part], np.full(n, temperature, np.float32),
-                np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), rows=rows, capacity=rows * q,
-                max_q_len=q)))
-        tokens = jax.device_get([tok for _, tok in passes])  # one read-back for every pass
-        for (part, _), tok in zip(passes, tokens, strict=True):
-            anchors[part] = tok[: len(part)]
+        if part and (total + len(p) > PACKED_PREFILL_TOKENS or len(part) == PACKED_PREFILL_ROWS):
+            passes.append(pack(part))
+            part, total = [], 0
+        part.append(b)
+        total += len(p)
+    if part:
+        passes.append(pack(part))
+    tokens = jax.device_get([tok for _, tok in passes])  # one read-back for every pass
+    for (part, _), tok in zip(passes, tokens, strict=True):
+        anchors[part] = tok[: len(part)]
     return anchors
 
 
