@@ -13,6 +13,11 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two ≥ n (1 for n ≤ 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def pow2_buckets(top: int, start: int = 1) -> tuple[int, ...]:
     """Powers of two from `start` below `top`, and `top` itself."""
     out, b = [], start

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.buckets import pick, round_up
+from dspark_jax.buckets import pick, pow2_at_least, round_up
 from dspark_jax.kernels import KernelConfig
 from dspark_jax.keys import row_key_data
 from dspark_jax.policy import Policy
@@ -92,10 +92,6 @@ class StopTracker:
 PAGE_SIZE = 16  # positions per page (the GPU attention kernel reads pages in blocks of 16)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 PACKED_PREFILL_TOKENS = 8192  # most prompt tokens in one packed prefill pass of `generate`
 PACKED_PREFILL_ROWS = 256  # most prompts in one
 
@@ -118,8 +114,8 @@ def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k
         n = len(part)
         return part, runner.prefill_many(
             [prompts[b] for b in part], tables[part], keys[part], np.full(n, temperature, np.float32),
-            np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), rows=_pow2_at_least(n),
-            capacity=max(q, _pow2_at_least(sum(lens))), max_q_len=q)
+            np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), rows=pow2_at_least(n),
+            capacity=max(q, pow2_at_least(sum(lens))), max_q_len=q)
 
     for b, p in enumerate(prompts):
         if len(p) > chunk:
@@ -167,7 +163,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
         L = drafter.config.block_size
     # One round can run past a row's stop before the host sees it: room for two rounds beyond max_new_tokens.
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * (L + 1) + 1
-    max_pages = _pow2_at_least(-(-longest // PAGE_SIZE))
+    max_pages = pow2_at_least(-(-longest // PAGE_SIZE))
     runner = ModelRunner(target, drafter, RunnerConfig(max_batch=B, num_pages=B * max_pages, page_size=PAGE_SIZE,
                                                        max_pages=max_pages, kernels=kernels, kv_dtype=kv_dtype))
     tables = np.arange(B * max_pages, dtype=np.int32).reshape(B, max_pages)

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.buckets import pow2_at_least
+
 DRAFT, VERIFY = 0, 1
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -42,7 +44,7 @@ def key_data_of(seed: int, indices) -> np.ndarray:
     if indices.size and not (0 <= indices.min() and indices.max() < 2**32):
         raise ValueError("request indices must lie in [0, 2^32)")
     n = indices.size
-    padded = np.zeros(1 << max(0, n - 1).bit_length(), np.uint32)  # a power-of-two length: few compiled shapes
+    padded = np.zeros(pow2_at_least(n), np.uint32)  # a power-of-two length: few compiled shapes
     padded[:n] = indices
     return np.asarray(_fold_indices(request_key_data(seed), padded))[:n]
 

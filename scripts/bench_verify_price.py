@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -47,15 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _median_s(repeats: int, fn, *args) -> float:
-    import jax
+    from pallas_kernels.timing import timed  # imports jax: after a child's XLA_FLAGS are set
 
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return timed(fn, *args, repeats=repeats)
 
 
 def read_bandwidth_gbs() -> float:

@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from dspark_jax.decoding import PAGE_SIZE, _pow2_at_least, _prefill_rows
+from dspark_jax.buckets import pow2_at_least
+from dspark_jax.decoding import PAGE_SIZE, _prefill_rows
 from dspark_jax.keys import row_key_data
 from dspark_jax.runner import ModelRunner, RunnerConfig
 from dspark_jax.target import load_target
@@ -38,7 +39,7 @@ def main() -> None:
     pool = (target.chat_ids(p) for d in ("chat", "code", "math") for p in datasets.load_prompts("eval", d, 40, seed=3))
     prompts = [q for q in pool if len(q) <= 128][: args.prompts]
     B = len(prompts)
-    max_pages = _pow2_at_least(-(-(max(map(len, prompts)) + 8) // PAGE_SIZE))
+    max_pages = pow2_at_least(-(-(max(map(len, prompts)) + 8) // PAGE_SIZE))
     runner = ModelRunner(target, None, RunnerConfig(max_batch=B, num_pages=B * max_pages, page_size=PAGE_SIZE,
                                                     max_pages=max_pages))
     tables = np.arange(B * max_pages, dtype=np.int32).reshape(B, max_pages)
