@@ -29,7 +29,9 @@ No host stalls (§5.2): `dispatch` starts a round and returns its device outputs
 builds the next round's batch from them on device, so a caller dispatches round n+1 before reading round n
 back (`fetch`). `generate`, the engine and training-data generation (train/regenerate.py) all run this way;
 `step` is dispatch + fetch for callers that need the result at once. Prompts enter through `prefill_program`:
-one request's chunk (the engine's chunked prefill) or many short prompts packed into one pass (`prefill_many`).
+the chunks of several requests packed back to back into one pass (`prefill_chunks`: the engine's chunked
+prefill, a long prompt's chunk alone or many short prompts together) or many whole short prompts
+(`prefill_many`: `generate`, data generation).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import collections
 import dataclasses
 import enum
 import functools
+import typing
 from typing import NamedTuple
 
 import jax
@@ -269,8 +272,8 @@ def prefill_program(target_params, drafter_params, target_kv, drafter_kv, chunk:
     target's K/V and the drafter's context written to their pages. Returns (pools, the token sampled after each
     chunk's last real position [b] (round 0 of each request's key), its logprobs [b], prompt logprobs [C]: row t
     scores `next_tokens[t]` under the target's logits at row t, computed only when asked (zeros otherwise)).
-    The serving engine prefills one request per pass (b = 1, a chunk bucket of rows); data generation
-    (train/regenerate.py) and `generate` pack many short prompts into one pass."""
+    The serving engine packs the chunks of the requests it prefills (`ModelRunner.prefill_chunks`); data
+    generation (train/regenerate.py) and `generate` pack many whole short prompts (`prefill_many`)."""
     tokens, b = chunk.tokens, chunk.starts.shape[0]
     TRACES[_model_key(target_graph, drafter_graph), _pool_key(target_kv, chunk.block_tables), "prefill",
            tokens.shape[0], b, max_q_len] += 1
@@ -398,6 +401,23 @@ def _packed(emitted, num_emitted, num_accepted, lengths):
 
 
 # ---- host side ------------------------------------------------------------------------------------------------
+class PrefillItem(NamedTuple):
+    """One request's chunk in a prefill pass (`ModelRunner.prefill_chunks`): `tokens` at positions start.. of
+    the request whose pages `table_row` lists, sampled with its key data and filters. logprobs: also return the
+    logprobs of the token sampled after the chunk. prompt_targets: the prompt tokens after the chunk's first
+    len(prompt_targets) positions (≤ its length), to score under the target (prompt logprobs)."""
+
+    tokens: list[int]
+    start: int
+    table_row: typing.Any  # int32 [max_pages]
+    key: typing.Any  # uint32 [2]
+    temperature: float
+    top_k: int
+    top_p: float
+    logprobs: bool = False
+    prompt_targets: list[int] | None = None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunnerConfig:
     """A ModelRunner's shapes and paths, validated once (`ModelRunner` and `create_engine` log it at start-up).
@@ -459,6 +479,7 @@ class ModelRunner:
         self.chunk_sizes, self.kernels = config.chunk_sizes, kernels
         self.L = drafter.config.block_size if drafter is not None else 0
         self.batch_buckets = pow2_buckets(self.B)
+        self.prefill_rows = pow2_buckets(min(self.B, self.chunk_sizes[-1]))  # requests packed in a prefill pass
         self.capacities = capacity_buckets(self.B, self.L)
         from dspark_jax.sharding import paged_sharding
 
@@ -530,30 +551,48 @@ class ModelRunner:
         return sorted(shapes)
 
     # ---- programs ---------------------------------------------------------------------------------------------
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (chunk bucket, request bucket) a `prefill_chunks` pass can take: C flat rows hold ≤ C requests."""
+        return sorted({(C, pick(n, self.prefill_rows)) for C in self.chunk_sizes
+                       for n in range(1, min(C, self.prefill_rows[-1]) + 1)})
+
     def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
                 logprobs: bool = False, prompt_targets=None):
-        """Runs one chunk of one request (≤ the largest chunk bucket) → (token sampled after it, its logprobs or
-        None, prompt logprobs or None). `prompt_targets`: the prompt tokens after the chunk's first
-        len(prompt_targets) positions (≤ the chunk's length); then the prompt logprobs are (logprob [n], top ids
-        [n, k], top logprobs [n, k]) of each under the target's distribution at the position before it."""
-        n = len(tokens)
-        C = pick(n, self.chunk_sizes)
-        n_targets = 0 if prompt_targets is None else len(prompt_targets)
-        if n_targets > n:
-            raise ValueError(f"{n_targets} prompt targets for a chunk of {n} tokens")
+        """`prefill_chunks` of one request's chunk (`PrefillItem` has the arguments) → its (token, logprobs,
+        prompt logprobs)."""
+        return self.prefill_chunks([PrefillItem(tokens, start, table_row, key, temperature, top_k, top_p,
+                                                logprobs, prompt_targets)])[0]
+
+    def prefill_chunks(self, items: list[PrefillItem]) -> list[tuple]:
+        """Runs the chunks of len(items) ≤ `prefill_rows[-1]` requests, ≤ the largest chunk bucket of tokens
+        together, packed back to back into one pass (rows bucketed to `prefill_rows`, tokens to a chunk bucket)
+        → per item (the token sampled after its chunk, its (logprob, top ids [k], top logprobs [k]) or None,
+        its prompt logprobs (logprob [n], top ids [n, k], top logprobs [n, k]) or None). A request's sample
+        depends on its own key and logits alone, not on what shares its pass."""
+        n = len(items)
+        if not 1 <= n <= self.prefill_rows[-1]:
+            raise ValueError(f"{n} chunks in one prefill pass (1 to {self.prefill_rows[-1]})")
+        offsets = np.cumsum([0] + [len(it.tokens) for it in items])
+        C = pick(int(offsets[-1]), self.chunk_sizes)
         targets = None
-        if n_targets:
+        if any(it.prompt_targets for it in items):
             targets = np.zeros(C, np.int32)
-            targets[:n_targets] = prompt_targets
-        tok, lp, prompt_lp = self._prefill_pass([tokens], [start], np.asarray(table_row, np.int32)[None], [key],
-                                                [temperature], [top_k], [top_p], rows=1, capacity=C, max_q_len=C,
-                                                logprobs=logprobs, next_tokens=targets)
-        if not logprobs and not n_targets:
-            return int(tok[0]), None, None
-        tok, lp, prompt_lp = jax.device_get((tok, lp if logprobs else None, prompt_lp if n_targets else None))
-        lp = None if lp is None else tuple(x[0] for x in lp)
-        prompt_lp = None if prompt_lp is None else tuple(x[:n_targets] for x in prompt_lp)
-        return int(tok[0]), lp, prompt_lp
+            for it, at in zip(items, offsets, strict=False):
+                if it.prompt_targets:
+                    if len(it.prompt_targets) > len(it.tokens):
+                        raise ValueError(f"{len(it.prompt_targets)} prompt targets for a chunk of "
+                                         f"{len(it.tokens)} tokens")
+                    targets[at : at + len(it.prompt_targets)] = it.prompt_targets
+        want_lp = any(it.logprobs for it in items)
+        tok, lp, prompt_lp = self._prefill_pass(
+            [it.tokens for it in items], [it.start for it in items],
+            np.stack([np.asarray(it.table_row, np.int32) for it in items]), [it.key for it in items],
+            [it.temperature for it in items], [it.top_k for it in items], [it.top_p for it in items],
+            rows=pick(n, self.prefill_rows), capacity=C, max_q_len=C, logprobs=want_lp, next_tokens=targets)
+        tok, lp, prompt_lp = jax.device_get((tok, lp if want_lp else None, None if targets is None else prompt_lp))
+        return [(int(tok[i]), tuple(x[i] for x in lp) if it.logprobs else None,
+                 tuple(x[at : at + len(it.prompt_targets)] for x in prompt_lp) if it.prompt_targets else None)
+                for i, (it, at) in enumerate(zip(items, offsets, strict=False))]
 
     def prefill_many(self, prompts: list[list[int]], block_tables, keys, temperature, top_k, top_p, *, rows: int,
                      capacity: int, max_q_len: int) -> jax.Array:
@@ -742,10 +781,12 @@ class ModelRunner:
 
     def warmup_jobs(self, modes: tuple[str, ...], max_draft: int | None = None, plain: bool = False) -> list[tuple]:
         """The programs `warmup` compiles, one job each, smallest batch bucket first (what one request needs
-        comes early): ("prefill", chunk), ("draft", bucket), ("verify", bucket, capacity, mode), ("advance",
-        bucket)."""
-        jobs = [("prefill", c) for c in self.chunk_sizes]
+        comes early): ("prefill", chunk, requests), ("draft", bucket), ("verify", bucket, capacity, mode),
+        ("advance", bucket)."""
+        prefills = self.prefill_shapes()
+        jobs = []
         for bb in self.batch_buckets:
+            jobs += [("prefill", c, rows) for c, rows in prefills if self.batch_bucket(rows) == bb]
             jobs.append(("advance", bb))  # the on-device bookkeeping of chained rounds
             if plain and self.drafter is not None:  # plain steps (no draft pass) at one token per row
                 jobs += [("verify", b, cap, "plain") for b, cap in self.plain_shapes() if b == bb]
@@ -762,8 +803,11 @@ class ModelRunner:
             emitted = self._put(np.zeros((job[1], self.L + 1), np.int32))
             jax.block_until_ready(self.advance(dev, Pass(emitted, zeros, zeros, zeros, None, None, 0),
                                                np.zeros((job[1], self.max_pages), np.int32)))
-        elif job[0] == "prefill":
-            self.prefill([0] * job[1], 0, [self.num_pages] * self.max_pages, np.zeros(2, np.uint32), 0.0, 0, 1.0)
+        elif job[0] == "prefill":  # min(rows, C) chunks of C tokens together (the last ones 1 token each)
+            _, C, rows = job
+            n = min(rows, C)
+            self.prefill_chunks([PrefillItem([0] * (C - n + 1 if i == 0 else 1), 0, [self.num_pages] * self.max_pages,
+                                             np.zeros(2, np.uint32), 0.0, 0, 1.0) for i in range(n)])
         elif job[0] == "draft":
             b = self.empty_batch(job[1])
             b.rows = 0

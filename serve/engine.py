@@ -7,8 +7,10 @@ for each round's `Plan`. `Engine` wraps it in a background thread and implements
 One `step()`:
   1. aborts      — cancelled requests leave at once; their pages return to the free list.
   2. admission   — waiting requests take free slots (FIFO) when the pool holds their prompt.
-  3. prefill     — one chunk (≤ the largest chunk bucket) of the oldest prefilling request: chunked prefill is
-                   interleaved with decoding so running requests keep streaming while a long prompt loads.
+  3. prefill     — one pass: the next chunk (≤ the largest chunk bucket) of the oldest prefilling request and
+                   the whole remaining prompts of later ones that fit beside it (one pass admits a burst of
+                   short prompts); chunked prefill is interleaved with decoding so running requests keep
+                   streaming while a long prompt loads.
   4. decode      — every running request gets pages for its next block (n + L + 1 positions); when the pool is
                    short the most recently admitted running request is preempted (pages freed; it re-queues
                    first in line and, readmitted, recomputes its prompt + generated tokens). Then the scheduler
@@ -32,6 +34,7 @@ import time
 import numpy as np
 
 from dspark_jax.keys import request_key_data
+from dspark_jax.runner import PrefillItem
 from dspark_jax.sampling import check_params
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
@@ -269,35 +272,89 @@ class EngineCore:
             r.prefilled = 0
             self.prefilling.append(r)
 
-    def _prefill_one(self) -> None:
-        r = self.prefilling[0]
+    def _prefill_batch(self) -> list[_Req]:
+        """The prefilling requests the next pass packs: the oldest one's next chunk (≤ the largest chunk
+        bucket), then each later one whose whole remaining prompt fits in the tokens left, up to the runner's
+        requests per pass. So a request's chunks always start at multiples of the largest bucket, whatever
+        shares its passes."""
+        budget, most = self.runner.chunk_sizes[-1], self.runner.prefill_rows[-1]
+        batch, used = [], 0
+        for r in self.prefilling:
+            left = len(r.prompt) - r.prefilled
+            if batch and left > budget - used:
+                continue
+            batch.append(r)
+            used += min(left, budget)
+            if len(batch) == most or used == budget:
+                break
+        return batch
+
+    def _prefill_item(self, r: _Req) -> PrefillItem:
         start = r.prefilled
         chunk = r.prompt[start : start + self.runner.chunk_sizes[-1]]
         p = r.req.params
         fresh = r.anchor is None  # not resumed after preemption: nothing of it has been reported yet
-        want_lp = p.logprobs is not None and fresh
         # Prompt logprobs: each chunk position scores the prompt token after it (the last position's token is
-        # the first generated one, scored with `logprobs`), so a prompt of n tokens is scored in n - 1 rows.
+        # the first generated one, scored with `logprobs`), so a prompt of n tokens is scored in n - 1 rows
+        # (targets [] for a one-token prompt: its logprobs are its first token's entry alone).
         targets = r.prompt[start + 1 : start + len(chunk) + 1] if p.prompt_logprobs is not None and fresh else None
-        tok, lp, prompt_lp = self.runner.prefill(chunk, start, self.pages.table_row(r.rid, self.pages.num_pages),
-                                                 r.key, p.temperature, p.top_k, p.top_p, logprobs=want_lp,
-                                                 prompt_targets=targets or None)
-        if targets is not None:
-            if start == 0:  # (again after a preemption in prefill)
+        return PrefillItem(chunk, start, self.pages.table_row(r.rid, self.pages.num_pages), r.key, p.temperature,
+                           p.top_k, p.top_p, logprobs=p.logprobs is not None and fresh, prompt_targets=targets)
+
+    def _prefill(self) -> None:
+        """One prefill pass over `_prefill_batch`. A request's own values can fail the host side of a pass
+        (before anything runs): then each runs alone, so the one that fails fails alone."""
+        batch = self._prefill_batch()
+        try:
+            items = [self._prefill_item(r) for r in batch]
+            results = self.runner.prefill_chunks(items)
+        except Exception as e:  # noqa: BLE001
+            if not _is_request_error(e) or len(batch) == 1:
+                self._prefill_error(batch[0], e)
+                return
+            for r in batch:
+                try:
+                    item = self._prefill_item(r)
+                    self._prefilled(r, item, *self.runner.prefill_chunks([item])[0])
+                except Exception as e:  # noqa: BLE001
+                    self._prefill_error(r, e)
+                self.stats["prefill_passes_total"] += 1
+            return
+        self.stats["prefill_passes_total"] += 1
+        for r, item, result in zip(batch, items, results, strict=True):
+            try:
+                self._prefilled(r, item, *result)
+            except Exception as e:  # noqa: BLE001
+                self._prefill_error(r, e)
+
+    def _prefill_error(self, r: _Req, e: Exception) -> None:
+        """A request error (`_is_request_error`) fails `r` alone with a 400; anything else is re-raised."""
+        if not _is_request_error(e):
+            raise e
+        log.warning("request %s failed in prefill: %s", r.rid, e)
+        self._finish(r, [], "abort", error=f"prefill failed: {e}", status=400)
+
+    def _prefilled(self, r: _Req, item: PrefillItem, tok: int, lp, prompt_lp) -> None:
+        """Books one request's prefilled chunk; when its prompt is in, the prefill's token is its first output
+        (a fresh request) and it starts running."""
+        p = r.req.params
+        if item.prompt_targets is not None:
+            if item.start == 0:  # (again after a preemption in prefill)
                 r.prompt_logprobs = [TokenLogprob(token_id=r.prompt[0], logprob=None)]
-            r.prompt_logprobs += [_token_logprob(t, prompt_lp, (j,), p.prompt_logprobs) for j, t in enumerate(targets)]
-        r.prefilled += len(chunk)
+            r.prompt_logprobs += [_token_logprob(t, prompt_lp, (j,), p.prompt_logprobs)
+                                  for j, t in enumerate(item.prompt_targets)]
+        r.prefilled += len(item.tokens)
         self.stats["prefill_chunks_total"] += 1
         if r.prefilled < len(r.prompt):
             return
-        self.prefilling.pop(0)
+        self.prefilling.remove(r)
         r.committed = len(r.prompt)
-        if fresh:  # a fresh request: the prefill's token is its first output
+        if r.anchor is None:  # a fresh request: the prefill's token is its first output
             plps, r.prompt_logprobs = r.prompt_logprobs, None  # reported once, with the first output
             if p.max_tokens == 0:  # scoring only (echo): no token
                 self._finish(r, [], "length", prompt_logprobs=plps)
                 return
-            lps = [_token_logprob(tok, lp, (), p.logprobs)] if want_lp else None
+            lps = [_token_logprob(tok, lp, (), p.logprobs)] if item.logprobs else None
             out, lps, reason = self._take(r, [tok], lps)
             self.stats["generation_tokens_total"] += len(out)
             if reason is not None:
@@ -470,14 +527,7 @@ class EngineCore:
             self._admit()
         worked = False
         if self.prefilling:
-            r = self.prefilling[0]
-            try:
-                self._prefill_one()
-            except Exception as e:  # noqa: BLE001 — one request's prefill failing fails that request alone
-                if not _is_request_error(e):
-                    raise
-                log.warning("request %s failed in prefill: %s", r.rid, e)
-                self._finish(r, [], "abort", error=f"prefill failed: {e}", status=400)
+            self._prefill()
             worked = True
         if self.running or self._inflight is not None:
             self._decode()

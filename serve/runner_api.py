@@ -13,7 +13,7 @@ import typing
 
 import numpy as np
 
-from dspark_jax.runner import StepKind
+from dspark_jax.runner import PrefillItem, StepKind
 
 
 @typing.runtime_checkable
@@ -31,8 +31,9 @@ class Runner(typing.Protocol):
     @property
     def num_pages(self) -> int: ...
 
-    def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
-                logprobs: bool = False, prompt_targets=None) -> tuple: ...
+    prefill_rows: tuple[int, ...]  # buckets of requests packed into one prefill pass
+
+    def prefill_chunks(self, items: list[PrefillItem]) -> list[tuple]: ...  # one pass, ≤ chunk_sizes[-1] tokens
 
     def empty_batch(self, rows: int): ...
 

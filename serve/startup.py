@@ -240,10 +240,10 @@ def _run_to_end(work):
 
 
 def _first_request_job(job: tuple, runner, mode: str, plain: bool) -> bool:
-    """Whether a warm-up job serves one request under the start-up policy: prefill, and the batch-of-one
+    """Whether a warm-up job serves one request under the start-up policy: prefill alone, and the batch-of-one
     programs of its steps (plain steps for the dspark scheduler, else its own mode)."""
     if job[0] == "prefill":
-        return True
+        return job[2] == 1
     if job[1] != runner.batch_buckets[0]:
         return False
     if job[0] == "advance":

@@ -100,10 +100,11 @@ class MockRunner:
     alone, as the device does."""
 
     def __init__(self, *, B, L, num_pages, page_size, max_pages, capacities, chunk_sizes, accept=None, conf=None,
-                 confidence_head=True, fail_at_pass=None):
+                 confidence_head=True, fail_at_pass=None, fail_prefill=None):
         self.B, self.L, self.page_size, self.max_pages = B, L, page_size, max_pages
         self.capacities, self.chunk_sizes = tuple(capacities), tuple(chunk_sizes)
         self.batch_buckets = pow2_buckets(B)
+        self.prefill_rows = pow2_buckets(min(B, self.chunk_sizes[-1]))
         cfg = types.SimpleNamespace(confidence=confidence_head, kind="mock")
         self.drafter = types.SimpleNamespace(config=cfg) if L else None
         self.target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=V))
@@ -113,7 +114,9 @@ class MockRunner:
         self.accept = accept or (lambda seed, rnd: L)
         self.conf = conf or (lambda t, slot, seed, rnd: np.full(L, 0.5, np.float32))
         self.fail_at_pass = fail_at_pass
+        self.fail_prefill = fail_prefill or {}  # seed → the exception a prefill pass holding it raises
         self.prefills: list[Prefill] = []
+        self.prefill_passes: list[tuple[int, ...]] = []
         self.passes: list[Pass] = []
         self.events: list[tuple] = []
 
@@ -131,6 +134,16 @@ class MockRunner:
         ld = self.L if max_draft is None else min(max_draft, self.L)
         return sorted({(pick(r, self.batch_buckets), pick(t, self.capacities)) for r in range(1, self.B + 1)
                        for t in range(r, r * (ld + 1) + 1) if t <= self.capacities[-1]})
+
+    def prefill_chunks(self, items):
+        """One packed pass: ≤ prefill_rows[-1] requests, ≤ the largest chunk bucket of tokens together."""
+        assert 0 < len(items) <= self.prefill_rows[-1], f"{len(items)} requests in one prefill pass"
+        assert sum(len(it.tokens) for it in items) <= self.chunk_sizes[-1], [len(it.tokens) for it in items]
+        for it in items:  # (before anything is written, as the real runner's host-side errors)
+            if int(it.key[1]) in self.fail_prefill:
+                raise self.fail_prefill[int(it.key[1])]
+        self.prefill_passes.append(tuple(int(it.key[1]) for it in items))  # seeds
+        return [self.prefill(*it[:-1], prompt_targets=it.prompt_targets or None) for it in items]
 
     def prefill(self, tokens, start, table_row, key, temperature, top_k, top_p, logprobs=False, prompt_targets=None):
         assert 0 < len(tokens) <= self.chunk_sizes[-1], f"chunk of {len(tokens)} tokens"
@@ -497,9 +510,11 @@ def test_chunked_prefill_interleaves_with_decoding():
         ("prefill", 2, 0, 8), ("pass", (1,)),  # "a" keeps decoding while the long prompt loads
         ("prefill", 2, 8, 8), ("pass", (1,)),
         ("prefill", 2, 16, 8), ("pass", (1,)),
-        ("prefill", 2, 24, 6), ("pass", (1, 2)),  # one chunk per step; "c" waits for the older prefill
-        ("prefill", 3, 0, 2), ("pass", (1, 3)),  # "long" finished (2 tokens); "c" runs in slot 2
+        # One pass a step: "c" (2 tokens) waits while "long" fills the 8-token passes, then shares its last one.
+        ("prefill", 2, 24, 6), ("prefill", 3, 0, 2), ("pass", (1, 2, 3)),
+        ("pass", (1, 3)),  # "long" finished (2 tokens)
     ]
+    assert runner.prefill_passes == [(1,), (2,), (2,), (2,), (2, 3)]
     # Admission reserved the whole prompt + a block: ⌈(30 + 3) / 4⌉ = 9 pages for every chunk.
     assert [len(p.pages) for p in runner.prefills if p.seed == 2] == [9, 9, 9, 9]
     # "a" streams one token per step throughout (step 0: its prefill token and its first pass).
@@ -572,6 +587,60 @@ def got_prompt_logprobs(out: Outputs, rid: str) -> list:
     reports = [o for _, o in out.by_id[rid]]
     assert all(o.prompt_logprobs is None for o in reports[1:]), rid
     return [(lp.token_id, lp.logprob, lp.top) for lp in reports[0].prompt_logprobs]
+
+
+def test_prefill_packs_short_prompts_beside_the_oldest_chunk():
+    """One prefill pass a step: the oldest prefilling request's next chunk (≤ the largest bucket, 8 here), then
+    every later request whose whole remaining prompt fits in the tokens left (a later one that does not fit
+    waits, one behind it that fits goes). A request's chunks start at multiples of 8 whatever shares them."""
+    core, runner = make_core("fixed:2", B=6, L=2, max_model_len=40)
+    out = Outputs()
+    prompts = {"long": (1, list(range(100, 120))), "s1": (2, [200, 201, 202]), "s2": (3, list(range(300, 305))),
+               "s3": (4, [400, 401]), "s4": (5, [500]), "s5": (6, [600])}
+    for rid, (seed, prompt) in prompts.items():
+        submit(core, out, rid, prompt, 6, seed)
+    drain(core, out)
+    # long 0:8 | long 8:16 | long 16:20 + s1 (7 tokens; s2's 5 and s3's 2 do not fit) + s4 | s2 + s3 + s5
+    assert runner.prefill_passes == [(1,), (1,), (1, 2, 5), (3, 4, 6)]
+    assert [(p.start, len(p.tokens)) for p in runner.prefills if p.seed == 1] == [(0, 8), (8, 8), (16, 4)]
+    for rid, (_, prompt) in prompts.items():
+        assert (out.tokens(rid), out.finish(rid)) == (continuation(prompt, 6)[0], "length"), rid
+    check_contexts(runner, {seed: prompt + continuation(prompt, 6)[0] for seed, prompt in prompts.values()})
+    assert core.stats["prefill_passes_total"] == 4 and core.stats["prefill_chunks_total"] == 8
+    assert all_pages_free(core)
+
+
+def test_prefill_packs_at_most_the_runners_requests_per_pass():
+    core, runner = make_core("fixed:2", B=6, L=2)
+    runner.prefill_rows = (1, 2, 3)
+    out = Outputs()
+    for seed in range(1, 7):
+        submit(core, out, f"r{seed}", [seed * 10], 3, seed)
+    drain(core, out)
+    assert runner.prefill_passes == [(1, 2, 3), (4, 5, 6)]
+    assert all(out.tokens(f"r{seed}") == continuation([seed * 10], 3)[0] for seed in range(1, 7))
+
+
+def test_a_request_that_fails_a_packed_prefill_fails_alone():
+    """A request error on the host side of a packed pass (nothing ran): each request is prefilled alone, the one
+    that fails gets a 400 and the others are served as if it had never come. Any other error is the engine's."""
+    core, runner = make_core("fixed:2", B=3, L=2, fail_prefill={2: ValueError("bad value")})
+    out = Outputs()
+    for seed in (1, 2, 3):
+        submit(core, out, f"r{seed}", [seed * 10, seed * 10 + 1], 5, seed)
+    drain(core, out)
+    (_, bad), = out.by_id["r2"]
+    assert (bad.finish_reason, bad.status, bad.token_ids) == ("abort", 400, ())
+    assert "prefill failed: bad value" in bad.error
+    assert runner.prefill_passes == [(1,), (3,)]  # alone, after the packed pass raised
+    for seed in (1, 3):
+        assert out.tokens(f"r{seed}") == continuation([seed * 10, seed * 10 + 1], 5)[0]
+    assert all_pages_free(core)
+    core, runner = make_core("fixed:2", B=3, L=2, fail_prefill={2: RuntimeError("device lost")})
+    for seed in (1, 2):
+        submit(core, out, f"x{seed}", [seed], 5, seed)
+    with pytest.raises(RuntimeError, match="device lost"):
+        core.step()
 
 
 def test_max_tokens_zero_scores_the_prompt_only():
@@ -653,15 +722,16 @@ def test_preemption_recomputes_and_resumes():
     submit(core, out, "a", [10, 11, 12, 13], 16, seed=1)
     submit(core, out, "b", [50, 51, 52, 53], 16, seed=2)
     drain(core, out)
-    # Step 4: "a" (n = 16) needs 5 pages, the pool is empty → "b" (admitted last, n = 13, generated 54..63)
-    # is preempted. Its recompute prompt is the prompt + generated[:-1] = 50..62, re-prefilled in chunks of 8
-    # once "a" has finished, and it resumes from anchor 63.
+    # Both prompts prefill in one pass and decode in step. Step 4: "a" (n = 16) needs 5 pages, the pool is
+    # empty → "b" (admitted last, n = 16, generated 54..66) is preempted. Its recompute prompt is the prompt +
+    # generated[:-1] = 50..65, re-prefilled in chunks of 8 once "a" has finished, and it resumes from anchor 66.
     assert core.stats["preemptions_total"] == 1
+    assert runner.prefill_passes == [(1, 2), (2,), (2,)]
     assert [(p.start, p.tokens) for p in runner.prefills if p.seed == 1] == [(0, [10, 11, 12, 13])]
     assert [(p.start, p.tokens) for p in runner.prefills if p.seed == 2] == [
-        (0, [50, 51, 52, 53]), (0, list(range(50, 58))), (8, list(range(58, 63)))]
-    resumed = [rec for rec in runner.passes if rec.n.get(2) == 13]
-    assert len(resumed) == 1 and resumed[0].anchor[2] == 63
+        (0, [50, 51, 52, 53]), (0, list(range(50, 58))), (8, list(range(58, 66)))]
+    resumed = [rec for rec in runner.passes if rec.n == {2: 16}]
+    assert len(resumed) == 1 and resumed[0].anchor[2] == 66
     assert out.chunks("a") == [((14,), None), ((15, 16, 17), None), ((18, 19, 20), None), ((21, 22, 23), None),
                                ((24, 25, 26), None), ((27, 28, 29), "length")]
     assert out.chunks("b") == [((54,), None), ((55, 56, 57), None), ((58, 59, 60), None), ((61, 62, 63), None),
@@ -730,8 +800,9 @@ def test_fixed_lengths_and_buckets(n, caps):
     core, runner = make_core(f"fixed:{n}", B=3, L=4, accept=lambda seed, rnd: 0)  # buckets (1, 2, 4, 8, 15)
     assert runner.capacities == (1, 2, 4, 8, 15)
     out = Outputs()
-    for seed, max_tokens in ((1, 8), (2, 6), (3, 4)):  # one token per pass: R = 1, 2, 3, 3, 3, 2, 1
+    for seed, max_tokens in ((1, 8), (2, 6), (3, 4)):  # a step apart, one token per pass: R = 1, 2, 3, 3, 3, 2, 1
         submit(core, out, f"r{seed}", [seed], max_tokens, seed)
+        steps(core, out, 1)
     drain(core, out)
     assert [rec.R for rec in runner.passes] == [1, 2, 3, 3, 3, 2, 1]
     assert [rec.capacity for rec in runner.passes] == caps
@@ -751,6 +822,7 @@ def two_request_run(scheduler, sps=None):
     assert runner.capacities == (1, 2, 4, 8, 10)
     out = Outputs()
     submit(core, out, "r1", [10], 6, seed=1)
+    steps(core, out, 1)
     submit(core, out, "r2", [20], 6, seed=2)
     drain(core, out)
     assert out.tokens("r1") == continuation([10], 6)[0] and out.tokens("r2") == continuation([20], 6)[0]
@@ -796,8 +868,9 @@ def test_dspark_budget_uses_confidence_from_two_passes_earlier():
                              conf=lambda t, s, seed, rnd: zero_at(counts[t][s]))
     out = Outputs()
     submit(core, out, "r1", [10, 11], 50, seed=1)
+    steps(core, out, 1)
     submit(core, out, "r2", [20, 21], 50, seed=2)
-    steps(core, out, 8)
+    steps(core, out, 7)
     passes = runner.passes[:8]
     assert [rec.R for rec in passes] == [1, 2, 2, 2, 2, 2, 2, 2]
     # t:        0  1  2      3      4      5      6      7
@@ -822,8 +895,9 @@ def test_dspark_budget_capped_by_the_largest_bucket():
                              conf=lambda t, s, seed, rnd: np.ones(4, np.float32))
     out = Outputs()
     submit(core, out, "r1", [10], 20, seed=1)
+    steps(core, out, 1)
     submit(core, out, "r2", [20], 20, seed=2)
-    steps(core, out, 3)
+    steps(core, out, 2)
     # R = 1: K = 4 → bucket 8. R = 2: 8 candidates, K = 8 − R = 6 → bucket 8.
     assert [(rec.R, rec.budget, rec.capacity) for rec in runner.passes] == [(1, 4, 8), (2, 6, 8), (2, 6, 8)]
     assert [sum(rec.ell.values()) for rec in runner.passes] == [4, 6, 6]
@@ -971,9 +1045,10 @@ def test_dspark_prices_a_newcomer_like_the_running_requests_not_as_a_sure_accept
 # ---- metrics --------------------------------------------------------------------------------------------------------
 def test_metrics_by_hand():
     # fixed:2, L = 4. r1 accepts every draft token, r2 none, r3 wants one token.
-    #   step 0: admit r1, r2 (r3 waits); prefill r1; pass r1: ℓ 2, m 2 → 3 tokens.
-    #   step 1: prefill r2; pass r1 (ℓ 2, m 2, 3 tokens: 7 = max) + r2 (ℓ 2, m 0, 1 token).
-    #   step 2: admit r3, its prefill token ends it; pass r2: 1 token (3 = max).
+    #   step 0: admit r1, r2 (r3 waits); prefill both in one pass; pass r1: ℓ 2, m 2 → 3 tokens; r2: ℓ 2, m 0
+    #           → 1 token.
+    #   step 1: pass r1 (3 tokens: 7 = max) + r2 (1 token: 3 = max); both finish.
+    #   step 2: admit r3, its prefill token ends it; no pass.
     core, runner = make_core("fixed:2", B=2, L=4, max_model_len=32, num_pages=16,
                         accept=lambda seed, rnd: {1: 4, 2: 0, 3: 0}[seed])
     out = Outputs()
@@ -988,13 +1063,14 @@ def test_metrics_by_hand():
         m = core.metrics()
         gauges.append((m["requests_running"], m["requests_waiting"], m["free_pages"]))
     # Pages of 4, admission needs prompt + 5 = 7 positions (2 pages). After step 0: r1 2 + r2 2 → 12 free.
-    # After step 1: r1 grew to 3 pages (n + 5 = 10) then finished, r2 2 → 14. After step 2: all back.
-    assert gauges == [(2, 1, 12), (1, 1, 14), (0, 0, 16)]
+    # After step 1 both finished (r1 had grown to 3 pages: n + 5 = 10): all back, r3 still waiting.
+    assert gauges == [(2, 1, 12), (0, 1, 16), (0, 0, 16)]
     assert not core.has_work()
-    assert m["steps_total"] == 3 and m["requests_total"] == 3
+    assert runner.prefill_passes == [(1, 2), (3,)]
+    assert m["steps_total"] == 2 and m["requests_total"] == 3
     assert m["prompt_tokens_total"] == 6 and m["generation_tokens_total"] == 7 + 3 + 1
-    assert m["tokens_per_step"] == 8 / 4  # emitted 3 + 3 + 1 + 1 over 4 row-steps
-    assert m["verify_tokens_per_pass"] == (3 + 6 + 3) / 3
+    assert m["tokens_per_step"] == 8 / 4  # emitted 3 + 1 + 3 + 1 over 4 row-steps
+    assert m["verify_tokens_per_pass"] == (6 + 6) / 2
     # Position 1 reached 4 times (2 accepted, r1), position 2 twice (r1, accepted), 3 and 4 never (ℓ = 2).
     assert m["acceptance_per_position"] == [0.5, 1.0, 0.0, 0.0]
     assert m["sps_table"] == {f"{bb}x{c}@0": 1.0 for bb in (1, 2) for c in runner.capacities}

@@ -2,9 +2,10 @@
 (serve/engine.py, `prefill_program` in dspark_jax/runner.py), on a tiny real target with a drafter.
 
 The oracle is the transformers model the target was loaded from: every prompt token after the first has the
-log-softmax of its logits at the position before, with the same top alternatives, across chunk boundaries,
-whatever the drafter and scheduler, under preemption, for prompts of one token and for `max_tokens` 0 (the
-request ends after its prefill). Asking for them compiles nothing new (the flag is traced, not static).
+log-softmax of its logits at the position before, with the same top alternatives, across chunk boundaries and
+requests packed into one pass, whatever the drafter and scheduler, under preemption, for prompts of one token
+and for `max_tokens` 0 (the request ends after its prefill). Asking for them compiles nothing new (the flag is
+traced, not static).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def test_prompt_logprobs_equal_the_targets_log_softmax(tiny):
         while core.has_work():
             core.step()
         assert core.stats["preemptions_total"] > 0
+        assert core.stats["prefill_chunks_total"] > core.stats["prefill_passes_total"]  # some passes packed
         assert {k: COMPILES[k] for k in PROGRAMS} == compiled  # asking for them compiled nothing
         greedy = dspark_jax.generate(target, prompts, max_new_tokens=12, ignore_eos=True).tokens
         for i, p in enumerate(prompts):
