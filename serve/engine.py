@@ -7,10 +7,10 @@ for each round's `Plan`. `Engine` wraps it in a background thread and implements
 One `step()`:
   1. aborts      — cancelled requests leave at once; their pages return to the free list.
   2. admission   — waiting requests take free slots (FIFO) when the pool holds their prompt.
-  3. prefill     — one pass: the next chunk (≤ the largest chunk bucket) of the oldest prefilling request and
-                   the whole remaining prompts of later ones that fit beside it (one pass admits a burst of
-                   short prompts); chunked prefill is interleaved with decoding so running requests keep
-                   streaming while a long prompt loads.
+  3. prefill     — one pass of ≤ the largest chunk bucket of prompt tokens, filled oldest prefilling request
+                   first, each with as much of its remaining prompt as fits (so a burst of short prompts
+                   prefills many to a pass, a long one in chunks); interleaved with decoding so running
+                   requests keep streaming while a long prompt loads.
   4. decode      — every running request gets pages for its next block (n + L + 1 positions); when the pool is
                    short the most recently admitted running request is preempted (pages freed; it re-queues
                    first in line and, readmitted, recomputes its prompt + generated tokens). Then the scheduler
@@ -272,26 +272,24 @@ class EngineCore:
             r.prefilled = 0
             self.prefilling.append(r)
 
-    def _prefill_batch(self) -> list[_Req]:
-        """The prefilling requests the next pass packs: the oldest one's next chunk (≤ the largest chunk
-        bucket), then each later one whose whole remaining prompt fits in the tokens left, up to the runner's
-        requests per pass. So a request's chunks always start at multiples of the largest bucket, whatever
-        shares its passes."""
+    def _prefill_batch(self) -> list[tuple[_Req, int]]:
+        """The prefilling requests the next pass packs, with how many of their prompt tokens: oldest first, each
+        as much of its remaining prompt as the pass has room for (≤ the largest chunk bucket in all; vLLM's
+        token budget), up to the runner's requests per pass."""
         budget, most = self.runner.chunk_sizes[-1], self.runner.prefill_rows[-1]
         batch, used = [], 0
         for r in self.prefilling:
-            left = len(r.prompt) - r.prefilled
-            if batch and left > budget - used:
-                continue
-            batch.append(r)
-            used += min(left, budget)
+            n = min(len(r.prompt) - r.prefilled, budget - used)
+            batch.append((r, n))
+            used += n
             if len(batch) == most or used == budget:
                 break
         return batch
 
-    def _prefill_item(self, r: _Req) -> PrefillItem:
+    def _prefill_item(self, r: _Req, n: int) -> PrefillItem:
+        """`r`'s next n prompt tokens as a runner item, with its sampling values and what it asked to score."""
         start = r.prefilled
-        chunk = r.prompt[start : start + self.runner.chunk_sizes[-1]]
+        chunk = r.prompt[start : start + n]
         p = r.req.params
         fresh = r.anchor is None  # not resumed after preemption: nothing of it has been reported yet
         # Prompt logprobs: each chunk position scores the prompt token after it (the last position's token is
@@ -306,22 +304,22 @@ class EngineCore:
         (before anything runs): then each runs alone, so the one that fails fails alone."""
         batch = self._prefill_batch()
         try:
-            items = [self._prefill_item(r) for r in batch]
+            items = [self._prefill_item(r, n) for r, n in batch]
             results = self.runner.prefill_chunks(items)
         except Exception as e:  # noqa: BLE001
             if not _is_request_error(e) or len(batch) == 1:
-                self._prefill_error(batch[0], e)
+                self._prefill_error(batch[0][0], e)
                 return
-            for r in batch:
+            for r, n in batch:
                 try:
-                    item = self._prefill_item(r)
+                    item = self._prefill_item(r, n)
                     self._prefilled(r, item, *self.runner.prefill_chunks([item])[0])
                 except Exception as e:  # noqa: BLE001
                     self._prefill_error(r, e)
                 self.stats["prefill_passes_total"] += 1
             return
         self.stats["prefill_passes_total"] += 1
-        for r, item, result in zip(batch, items, results, strict=True):
+        for (r, _), item, result in zip(batch, items, results, strict=True):
             try:
                 self._prefilled(r, item, *result)
             except Exception as e:  # noqa: BLE001

@@ -410,8 +410,7 @@ def test_outputs_with_continuous_batching(scheduler):
     assert admitted == seeds  # FIFO
     assert max(rec.R for rec in runner.passes) == 3
     # The 4th request is admitted only once one of the first three has finished (its slot is reused).
-    slot_of = {seed: slot for rec in runner.passes for seed, slot in rec.slots.items()}
-    assert set(slot_of.values()) == {0, 1, 2}
+    assert {slot for rec in runner.passes for slot in rec.slots.values()} == {0, 1, 2}
     assert out.finish_step("r4") > min(out.finish_step(f"r{s}") for s in (1, 2, 3))
     assert all_pages_free(core) and core.stats["preemptions_total"] == 0
     if scheduler == "none":
@@ -589,10 +588,10 @@ def got_prompt_logprobs(out: Outputs, rid: str) -> list:
     return [(lp.token_id, lp.logprob, lp.top) for lp in reports[0].prompt_logprobs]
 
 
-def test_prefill_packs_short_prompts_beside_the_oldest_chunk():
-    """One prefill pass a step: the oldest prefilling request's next chunk (≤ the largest bucket, 8 here), then
-    every later request whose whole remaining prompt fits in the tokens left (a later one that does not fit
-    waits, one behind it that fits goes). A request's chunks start at multiples of 8 whatever shares them."""
+def test_prefill_passes_fill_a_token_budget_oldest_first():
+    """One prefill pass a step of ≤ the largest chunk bucket (8 here) of prompt tokens, filled oldest request
+    first, each with as much of its remaining prompt as fits (vLLM's token budget): a long prompt in chunks, a
+    burst of short ones many to a pass, a prompt split across two passes where the first runs out of room."""
     core, runner = make_core("fixed:2", B=6, L=2, max_model_len=40)
     out = Outputs()
     prompts = {"long": (1, list(range(100, 120))), "s1": (2, [200, 201, 202]), "s2": (3, list(range(300, 305))),
@@ -600,13 +599,14 @@ def test_prefill_packs_short_prompts_beside_the_oldest_chunk():
     for rid, (seed, prompt) in prompts.items():
         submit(core, out, rid, prompt, 6, seed)
     drain(core, out)
-    # long 0:8 | long 8:16 | long 16:20 + s1 (7 tokens; s2's 5 and s3's 2 do not fit) + s4 | s2 + s3 + s5
-    assert runner.prefill_passes == [(1,), (1,), (1, 2, 5), (3, 4, 6)]
+    # long 0:8 | long 8:16 | long 16:20 + s1 + s2 0:1 | s2 1:5 + s3 + s4 + s5
+    assert runner.prefill_passes == [(1,), (1,), (1, 2, 3), (3, 4, 5, 6)]
     assert [(p.start, len(p.tokens)) for p in runner.prefills if p.seed == 1] == [(0, 8), (8, 8), (16, 4)]
+    assert [(p.start, len(p.tokens)) for p in runner.prefills if p.seed == 3] == [(0, 1), (1, 4)]
     for rid, (_, prompt) in prompts.items():
         assert (out.tokens(rid), out.finish(rid)) == (continuation(prompt, 6)[0], "length"), rid
     check_contexts(runner, {seed: prompt + continuation(prompt, 6)[0] for seed, prompt in prompts.values()})
-    assert core.stats["prefill_passes_total"] == 4 and core.stats["prefill_chunks_total"] == 8
+    assert core.stats["prefill_passes_total"] == 4 and core.stats["prefill_chunks_total"] == 9
     assert all_pages_free(core)
 
 
@@ -687,7 +687,9 @@ def test_abort_waiting_prefilling_running(victim, free_after):
     for rid, (seed, prompt, n) in ABORT_SETUP.items():
         submit(core, out, rid, prompt, n, seed)
     steps(core, out, 2)
-    # "a" running (n = 5: 2 pages), "p" prefilling after one chunk (33 positions: 9 pages), "w" waiting.
+    # "a" running (n = 5: 2 pages), "p" prefilling (13 of its 30 tokens in: 5 beside a's prompt, then 8; its
+    # 33 positions hold 9 pages), "w" waiting.
+    seen = len(runner.events)
     m = core.metrics()
     assert (m["requests_running"], m["requests_waiting"], m["free_pages"]) == (2, 1, 29)
     streamed = out.tokens(victim)
@@ -701,8 +703,8 @@ def test_abort_waiting_prefilling_running(victim, free_after):
     core.abort("never-existed")
     drain(core, out)
     assert out.chunks(victim)[-1] == ((), "abort") and out.finish(victim) == "abort"
-    seed_v = ABORT_SETUP[victim][0]  # nothing of it ran after the abort (events 0–3 are steps 0 and 1)
-    later = runner.events[4:]
+    seed_v = ABORT_SETUP[victim][0]  # nothing of it ran after the abort
+    later = runner.events[seen:]
     assert not [e for e in later if (e[0] == "prefill" and e[1] == seed_v) or (e[0] == "pass" and seed_v in e[1])]
     full = {}
     for rid, (seed, prompt, n) in ABORT_SETUP.items():
@@ -741,9 +743,10 @@ def test_preemption_recomputes_and_resumes():
 
 
 def test_preemption_of_a_prefilling_request():
-    # "a" takes 2 pages, "long" (20 tokens + 3) the other 6. Step 1 prefills long[0:8], then "a" (n = 7) needs a
-    # 3rd page: the newest admitted request is "long", still prefilling, so it goes back to the queue (its
-    # chunk is lost) and is readmitted only when "a" has finished; it then emits its first token as usual.
+    # "a" takes 2 pages, "long" (20 tokens + 3) the other 6. Step 0 prefills a's 4 tokens and long[0:4], step 1
+    # long[4:12], then "a" (n = 7) needs a 3rd page: the newest admitted request is "long", still prefilling, so
+    # it goes back to the queue (its chunks are lost) and is readmitted only when "a" has finished; it then
+    # emits its first token as usual.
     core, runner = make_core("fixed:2", B=2, L=2, max_model_len=24, num_pages=8)
     out = Outputs()
     submit(core, out, "a", [10, 11, 12, 13], 20, seed=1)
@@ -753,7 +756,8 @@ def test_preemption_of_a_prefilling_request():
     assert (m["preemptions_total"], m["requests_waiting"], m["requests_running"]) == (1, 1, 1)
     assert m["free_pages"] == 8 - 3  # "a" alone, with n = 10 after two passes
     drain(core, out)
-    assert [(p.start, len(p.tokens)) for p in runner.prefills if p.seed == 2] == [(0, 8), (0, 8), (8, 8), (16, 4)]
+    assert [(p.start, len(p.tokens)) for p in runner.prefills if p.seed == 2] == [(0, 4), (4, 8), (0, 8), (8, 8),
+                                                                                  (16, 4)]
     assert [rec.R for rec in runner.passes if 2 in rec.slots] == [1]  # "long" only decodes after "a" is done
     assert out.chunks("long") == [((120,), None), ((121, 122, 123), "length")]
     assert out.tokens("a") == list(range(14, 34)) and out.finish("a") == "length"
@@ -772,8 +776,8 @@ def test_prompt_logprobs_under_preemption():
     submit(core, out, "long", long, 4, seed=2, prompt_logprobs=3)
     drain(core, out)
     assert core.stats["preemptions_total"] == 1
-    assert [e[1:] for e in runner.events if e[0] == "prompt_logprobs" and e[1] == 2] == [(2, 0, 8), (2, 0, 8),
-                                                                                        (2, 8, 8), (2, 16, 3)]
+    assert [e[1:] for e in runner.events if e[0] == "prompt_logprobs" and e[1] == 2] == [
+        (2, 0, 4), (2, 4, 8), (2, 0, 8), (2, 8, 8), (2, 16, 3)]
     assert got_prompt_logprobs(out, "long") == expected_prompt_logprobs(long, 3)
     assert got_prompt_logprobs(out, "a") == expected_prompt_logprobs([10, 11, 12, 13], 1)
     assert out.tokens("long") == [120, 121, 122, 123]
