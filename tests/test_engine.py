@@ -87,6 +87,42 @@ def test_the_model_runner_has_the_interface_the_engine_drives(runners):
         assert isinstance(runner, Runner)
 
 
+def test_a_packed_prefill_gives_each_request_what_it_gets_alone(tiny, runners):
+    """`ModelRunner.prefill_chunks` packs the engine's prefill: a request's later chunk, a whole prompt and the
+    leading part of another, in one pass, each get the token, logprobs and prompt logprobs of a pass alone
+    (each request's rows sliced at its own offset; its sample drawn with its own key)."""
+    from dspark_jax.keys import request_key_data
+    from dspark_jax.runner import PrefillItem
+
+    _, _, prompts, _ = tiny
+    runner = runners["spec"]
+    p0, p1, p2 = prompts[2], prompts[0], prompts[3]  # 16, 2 and 23 tokens
+    M = runner.max_pages
+    table = [np.arange(i * M, (i + 1) * M, dtype=np.int32) for i in range(3)]
+    items = [PrefillItem(p0[8:12], 8, table[0], request_key_data(7), 1.0, 0, 1.0, logprobs=True,
+                         prompt_targets=p0[9:13]),
+             PrefillItem(p1, 0, table[1], request_key_data(8), 0.0, 0, 1.0, prompt_targets=p1[1:]),
+             PrefillItem(p2[:9], 0, table[2], request_key_data(9), 0.7, 5, 0.9, logprobs=True)]
+
+    def earlier_chunk():  # p0[:8], in its pages before its second chunk runs
+        runner.prefill(p0[:8], 0, table[0], request_key_data(7), 1.0, 0, 1.0)
+
+    earlier_chunk()
+    alone = [runner.prefill_chunks([item])[0] for item in items]
+    earlier_chunk()
+    packed = runner.prefill_chunks(items)
+    for i, (a, b) in enumerate(zip(alone, packed, strict=True)):
+        assert a[0] == b[0], i
+        for x, y in ((a[1], b[1]), (a[2], b[2])):
+            assert (x is None) == (y is None), i
+            if x is not None:
+                np.testing.assert_allclose(x[0], y[0], atol=1e-5, err_msg=str(i))
+                np.testing.assert_array_equal(x[1], y[1], err_msg=str(i))
+    assert [a[2] is not None for a in alone] == [True, True, False] and len(alone[1][2][0]) == len(p1) - 1
+    with pytest.raises(ValueError, match="chunks in one prefill pass"):
+        runner.prefill_chunks(items * runner.prefill_rows[-1])
+
+
 def test_runner_serves_the_cpu_layout_and_matches_the_einsum_layout(tiny, runners):
     """On XLA:CPU the runner serves the target with its dense weights output-major (Target.serving_split), and
     its greedy tokens equal a plain greedy loop over the target's own (einsum-layout) full forward."""
