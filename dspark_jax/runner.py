@@ -424,7 +424,8 @@ class RunnerConfig:
 
     max_batch: most requests per step; batch buckets are powers of two up to it.
     num_pages, page_size, max_pages: the paged pools (one block-table row of `max_pages` pages per request).
-    chunk_sizes: prefill chunk buckets (tokens of one request per prefill pass).
+    chunk_sizes: prefill buckets: the flat rows of a prefill pass (the largest: its token budget, all its
+        requests' chunks together).
     kernels: which path each kernel takes (`kernels.KernelConfig`, or one mode string for both).
     kv_dtype: the page pools' dtype, "auto" (= the target's dtype), "bfloat16" or "float32". Attention reads
         the pages up to float32 whatever it is; writes cast to it."""
@@ -556,6 +557,16 @@ class ModelRunner:
         return sorted({(C, pick(n, self.prefill_rows)) for C in self.chunk_sizes
                        for n in range(1, min(C, self.prefill_rows[-1]) + 1)})
 
+    def prefill_fits(self, counts: list[int]) -> bool:
+        """Whether chunks of these lengths (≤ `prefill_rows[-1]` of them) share a prefill pass well. The Pallas
+        attention kernel works in per-request tiles, so any split of the tokens does; the jnp path computes
+        every request row up to the longest chunk's queries, so there rows × longest stays ≤ twice the largest
+        chunk bucket (SmolLM2 on the CPU: a 100-token chunk packed beside 27 one-token prompts cost 2.5× the two
+        passes apart; bursts of short prompts stay within it)."""
+        if self.kernels.pallas("attention"):
+            return True
+        return pick(len(counts), self.prefill_rows) * max(counts) <= 2 * self.chunk_sizes[-1]
+
     def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
                 logprobs: bool = False, prompt_targets=None):
         """`prefill_chunks` of one request's chunk (`PrefillItem` has the arguments) → its (token, logprobs,
@@ -575,10 +586,11 @@ class ModelRunner:
         offsets = np.cumsum([0] + [len(it.tokens) for it in items])
         C = pick(int(offsets[-1]), self.chunk_sizes)
         targets = None
-        if any(it.prompt_targets for it in items):
+        scored = [it.prompt_targets is not None and len(it.prompt_targets) > 0 for it in items]
+        if any(scored):
             targets = np.zeros(C, np.int32)
-            for it, at in zip(items, offsets, strict=False):
-                if it.prompt_targets:
+            for it, at, yes in zip(items, offsets, scored, strict=False):
+                if yes:
                     if len(it.prompt_targets) > len(it.tokens):
                         raise ValueError(f"{len(it.prompt_targets)} prompt targets for a chunk of "
                                          f"{len(it.tokens)} tokens")
@@ -591,8 +603,8 @@ class ModelRunner:
             rows=pick(n, self.prefill_rows), capacity=C, max_q_len=C, logprobs=want_lp, next_tokens=targets)
         tok, lp, prompt_lp = jax.device_get((tok, lp if want_lp else None, None if targets is None else prompt_lp))
         return [(int(tok[i]), tuple(x[i] for x in lp) if it.logprobs else None,
-                 tuple(x[at : at + len(it.prompt_targets)] for x in prompt_lp) if it.prompt_targets else None)
-                for i, (it, at) in enumerate(zip(items, offsets, strict=False))]
+                 tuple(x[at : at + len(it.prompt_targets)] for x in prompt_lp) if yes else None)
+                for i, (it, at, yes) in enumerate(zip(items, offsets, scored, strict=False))]
 
     def prefill_many(self, prompts: list[list[int]], block_tables, keys, temperature, top_k, top_p, *, rows: int,
                      capacity: int, max_q_len: int) -> jax.Array:

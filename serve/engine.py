@@ -275,11 +275,14 @@ class EngineCore:
     def _prefill_batch(self) -> list[tuple[_Req, int]]:
         """The prefilling requests the next pass packs, with how many of their prompt tokens: oldest first, each
         as much of its remaining prompt as the pass has room for (≤ the largest chunk bucket in all; vLLM's
-        token budget), up to the runner's requests per pass."""
+        token budget), up to the runner's requests per pass and while the runner says they pack well
+        (`prefill_fits`)."""
         budget, most = self.runner.chunk_sizes[-1], self.runner.prefill_rows[-1]
         batch, used = [], 0
         for r in self.prefilling:
             n = min(len(r.prompt) - r.prefilled, budget - used)
+            if batch and not self.runner.prefill_fits([m for _, m in batch] + [n]):
+                break
             batch.append((r, n))
             used += n
             if len(batch) == most or used == budget:
@@ -310,13 +313,15 @@ class EngineCore:
             if not _is_request_error(e) or len(batch) == 1:
                 self._prefill_error(batch[0][0], e)
                 return
+            log.warning("a prefill pass of %d requests failed (%s); prefilling them one at a time", len(batch), e)
             for r, n in batch:
                 try:
                     item = self._prefill_item(r, n)
-                    self._prefilled(r, item, *self.runner.prefill_chunks([item])[0])
+                    result = self.runner.prefill_chunks([item])[0]
+                    self.stats["prefill_passes_total"] += 1
+                    self._prefilled(r, item, *result)
                 except Exception as e:  # noqa: BLE001
                     self._prefill_error(r, e)
-                self.stats["prefill_passes_total"] += 1
             return
         self.stats["prefill_passes_total"] += 1
         for (r, _), item, result in zip(batch, items, results, strict=True):

@@ -35,6 +35,8 @@ class Runner(typing.Protocol):
 
     def prefill_chunks(self, items: list[PrefillItem]) -> list[tuple]: ...  # one pass, ≤ chunk_sizes[-1] tokens
 
+    def prefill_fits(self, counts: list[int]) -> bool: ...  # whether chunks of these lengths pack well
+
     def empty_batch(self, rows: int): ...
 
     def device_batch(self, b) -> typing.Any: ...  # the runner's DeviceBatch; opaque to the engine

@@ -121,6 +121,11 @@ def test_a_packed_prefill_gives_each_request_what_it_gets_alone(tiny, runners):
     assert [a[2] is not None for a in alone] == [True, True, False] and len(alone[1][2][0]) == len(p1) - 1
     with pytest.raises(ValueError, match="chunks in one prefill pass"):
         runner.prefill_chunks(items * runner.prefill_rows[-1])
+    # On the CPU's jnp attention every request row computes the longest chunk's queries: the engine packs
+    # while rows × longest ≤ 2 × the largest bucket (32 here).
+    assert not runner.kernels.pallas("attention")
+    assert runner.prefill_fits([8, 8, 8, 8]) and runner.prefill_fits([30, 2])
+    assert not runner.prefill_fits([30, 1, 1])
 
 
 def test_runner_serves_the_cpu_layout_and_matches_the_einsum_layout(tiny, runners):

@@ -145,6 +145,9 @@ class MockRunner:
         self.prefill_passes.append(tuple(int(it.key[1]) for it in items))  # seeds
         return [self.prefill(*it[:-1], prompt_targets=it.prompt_targets or None) for it in items]
 
+    def prefill_fits(self, counts) -> bool:
+        return True
+
     def prefill(self, tokens, start, table_row, key, temperature, top_k, top_p, logprobs=False, prompt_targets=None):
         assert 0 < len(tokens) <= self.chunk_sizes[-1], f"chunk of {len(tokens)} tokens"
         assert len(table_row) == self.max_pages
@@ -621,6 +624,23 @@ def test_prefill_packs_at_most_the_runners_requests_per_pass():
     assert all(out.tokens(f"r{seed}") == continuation([seed * 10], 3)[0] for seed in range(1, 7))
 
 
+def test_prefill_packs_only_what_the_runner_says_fits():
+    """`Runner.prefill_fits` (the jnp attention path prices every request row at the longest chunk): a request
+    joins the pass only while the runner accepts the lengths so far plus its own; the rest wait."""
+    core, runner = make_core("fixed:2", B=6, L=2)
+    asked = []
+    runner.prefill_fits = lambda counts: asked.append(list(counts)) or len(counts) * max(counts) <= 8
+    out = Outputs()
+    prompts = {1: [10, 11, 12], 2: [20], 3: [30, 31], 4: [40]}
+    for seed, prompt in prompts.items():
+        submit(core, out, f"r{seed}", prompt, 3, seed)
+    drain(core, out)
+    # 3 + 1 (2 rows × 3 = 6 ≤ 8) | + 2 would be 3 × 3 = 9: next pass, 2 + 1 (2 × 2 = 4)
+    assert runner.prefill_passes == [(1, 2), (3, 4)]
+    assert asked[:3] == [[3, 1], [3, 1, 2], [2, 1]]
+    assert all(out.tokens(f"r{s}") == continuation(p, 3)[0] for s, p in prompts.items())
+
+
 def test_a_request_that_fails_a_packed_prefill_fails_alone():
     """A request error on the host side of a packed pass (nothing ran): each request is prefilled alone, the one
     that fails gets a 400 and the others are served as if it had never come. Any other error is the engine's."""
@@ -633,6 +653,7 @@ def test_a_request_that_fails_a_packed_prefill_fails_alone():
     assert (bad.finish_reason, bad.status, bad.token_ids) == ("abort", 400, ())
     assert "prefill failed: bad value" in bad.error
     assert runner.prefill_passes == [(1,), (3,)]  # alone, after the packed pass raised
+    assert core.stats["prefill_passes_total"] == 2
     for seed in (1, 3):
         assert out.tokens(f"r{seed}") == continuation([seed * 10, seed * 10 + 1], 5)[0]
     assert all_pages_free(core)

@@ -5,7 +5,10 @@ workloads, each a burst submitted at once and stepped to the end:
 
   score  — lm-eval-style loglikelihood requests: eval prompts' first ≤ 48 tokens, `max_tokens` 0 with prompt
            logprobs (echo), so the work is prefill alone;
-  chat   — chat-templated eval prompts of ≤ 64 tokens, 16 greedy tokens each.
+  chat   — chat-templated eval prompts of ≤ 64 tokens, 16 greedy tokens each;
+  mixed  — 4 long prompts (eval prompts' tokens run together to 300) each followed by 15 short ones (first
+           ≤ 16 tokens), all scored as in `score`: long chunks beside short prompts, where the jnp attention
+           path limits what packs (`ModelRunner.prefill_fits`).
 
 Both ways must give the same tokens and the same prompt logprobs to float32 rounding (rtol 1e-4, atol 1e-4:
 a pass of another shape sums in another order).
@@ -56,7 +59,11 @@ def main() -> None:
     texts = [p for d in ("chat", "code", "math") for p in datasets.load_prompts("eval", d, args.requests, seed=5)]
     score = [ids[:48] for ids in (tok.encode(t) for t in texts) if len(ids) >= 8][: args.requests]
     chat = [q for q in (runner.target.chat_ids(t) for t in texts) if len(q) <= 64][: args.requests // 4]
+    stream = [t for ids in (tok.encode(t) for t in texts) for t in ids]
+    shorts = [ids[:16] for ids in (tok.encode(t) for t in texts[::-1]) if len(ids) >= 4]
+    mixed = [q for i in range(4) for q in [stream[i * 300 : (i + 1) * 300]] + shorts[i * 15 : (i + 1) * 15]]
     workloads = {"score": (score, SamplingParams(max_tokens=0, prompt_logprobs=0)),
+                 "mixed": (mixed, SamplingParams(max_tokens=0, prompt_logprobs=0)),
                  "chat": (chat, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))}
     packed_rows = runner.prefill_rows
     ways = {"one_per_pass": (1,), "packed": packed_rows}
