@@ -551,6 +551,7 @@ class EngineCore:
             "requests_waiting": len(self.waiting), "prompt_tokens_total": s["prompt_tokens_total"],
             "generation_tokens_total": s["generation_tokens_total"], "steps_total": s["steps_total"],
             "plain_steps_total": s["plain_steps_total"], "emitted_total": s["emitted_total"],
+            "prefill_passes_total": s["prefill_passes_total"],
             "row_steps_total": s["row_steps_total"], "verify_tokens_total": s["verify_tokens_total"],
             "tokens_per_step": s["emitted_total"] / rows,
             "acceptance_per_position": (self.accepts / np.maximum(self.attempts, 1)).tolist() if self.L else [],

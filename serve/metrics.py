@@ -5,6 +5,7 @@ Names (all prefixed `dspark_`):
 
   requests_total, prompt_tokens_total, generation_tokens_total, steps_total    counters
   plain_steps_total                        steps that ran no draft pass (dspark skips drafts that do not pay)
+  prefill_passes_total                     prefill passes (prompt tokens / passes: how full they were packed)
   requests_running, requests_waiting                                              gauges (queue depth)
   tokens_per_step                          τ: mean tokens emitted per request per target pass
   acceptance_rate{position="k"}            acceptance of draft position k = 1..L
@@ -36,6 +37,7 @@ _COUNTERS = {
     "generation_tokens_total": ("generation_tokens", "Tokens generated."),
     "steps_total": ("steps", "Engine steps (target passes)."),
     "plain_steps_total": ("plain_steps", "Engine steps that ran no draft pass."),
+    "prefill_passes_total": ("prefill_passes", "Prefill passes (each packs one or more requests' prompt chunks)."),
 }
 _GAUGES = {
     "requests_running": ("requests_running", "Requests holding a batch slot."),

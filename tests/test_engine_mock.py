@@ -1092,7 +1092,7 @@ def test_metrics_by_hand():
     assert gauges == [(2, 1, 12), (0, 1, 16), (0, 0, 16)]
     assert not core.has_work()
     assert runner.prefill_passes == [(1, 2), (3,)]
-    assert m["steps_total"] == 2 and m["requests_total"] == 3
+    assert m["steps_total"] == 2 and m["requests_total"] == 3 and m["prefill_passes_total"] == 2
     assert m["prompt_tokens_total"] == 6 and m["generation_tokens_total"] == 7 + 3 + 1
     assert m["tokens_per_step"] == 8 / 4  # emitted 3 + 1 + 3 + 1 over 4 row-steps
     assert m["verify_tokens_per_pass"] == (6 + 6) / 2
