@@ -9,8 +9,9 @@
 
 One tiny target (V = 8, so joints over a few tokens can be enumerated) and one untrained DSpark drafter serve
 every test; every engine of the same kernels shares one ModelRunner, so its programs compile once (compiling
-dominates on CPU). The batch is small (max_batch 2) because prefill runs one chunk per engine step: requests of a
-few rounds overlap two at a time, and larger batch buckets would only add compile time. Requests are driven
+dominates on CPU). The batch is small (max_batch 2) because a prefill pass holds 8 tokens (the one chunk bucket),
+less than one prompt: requests of a few rounds overlap two at a time, and larger batch buckets would only add
+compile time. Requests are driven
 through `EngineCore.step` (the engine thread's loop body) so each test is deterministic.
 """
 
@@ -36,11 +37,11 @@ from serve.scheduler import GainCalibration, SpsTable
 from serve.startup import create_engine
 from serve.types import EngineRequest, SamplingParams
 
-PROMPT = [3, 5, 2, 7, 4, 6, 1, 3, 5]  # 9 tokens: prefill in two chunks of the one chunk bucket (8)
+PROMPT = [3, 5, 2, 7, 4, 6, 1, 3, 5]  # 9 tokens: more than the one chunk bucket (8), so two prefill passes
 SIZES = dict(max_batch=2, max_model_len=24, page_size=4, chunk_sizes=(8,), profile=False)
 FILTERED = dict(temperature=0.7, top_k=5, top_p=0.94)  # on this target both filters remove mass (see oracle)
 CONF_LOGITS = np.array([2.5, -1.5, 0.5, 3.0, -0.5, 1.5, -2.5, 1.0])  # per previous token x (V = 8)
-# Sampled requests run on past the tokens a chi-square scores: prefill takes one chunk per engine step, so only
+# Sampled requests run on past the tokens a chi-square scores: a prefill pass holds less than one prompt, so only
 # requests that live a few rounds overlap, and the passes then hold two rows (the top-K fill has a choice).
 LIVE_TOKENS = 8
 ALPHA = 1e-3  # false-alarm probability of each chi-square test (fixed seeds: a pass is reproducible)
