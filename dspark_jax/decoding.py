@@ -102,8 +102,8 @@ def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k
     Prompts of at most the largest chunk bucket are packed back to back, many to a pass
     (`ModelRunner.prefill_many`; a pass's flat rows, requests and longest prompt bucketed to powers of two and
     chunk buckets, so a handful of shapes compile), and read back once at the end; a longer prompt runs chunk by
-    chunk, one request per pass. Either way each row's tokens, pages and key are
-    its own, so its output does not depend on how rows were packed."""
+    chunk, one request per pass. Either way each row's tokens, pages and key are its own, so its output does not
+    depend on how rows were packed."""
     chunk = runner.chunk_sizes[-1]
     anchors = np.zeros(len(prompts), np.int32)
     passes, part, total = [], [], 0

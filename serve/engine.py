@@ -307,22 +307,23 @@ class EngineCore:
         (before anything runs): then each runs alone, so the one that fails fails alone."""
         batch = self._prefill_batch()
         try:
-            items = [self._prefill_item(r, n) for r, n in batch]
-            results = self.runner.prefill_chunks(items)
+            self._prefill_pass(batch)
         except Exception as e:  # noqa: BLE001
             if not _is_request_error(e) or len(batch) == 1:
                 self._prefill_error(batch[0][0], e)
                 return
             log.warning("a prefill pass of %d requests failed (%s); prefilling them one at a time", len(batch), e)
-            for r, n in batch:
+            for one in batch:
                 try:
-                    item = self._prefill_item(r, n)
-                    result = self.runner.prefill_chunks([item])[0]
-                    self.stats["prefill_passes_total"] += 1
-                    self._prefilled(r, item, *result)
+                    self._prefill_pass([one])
                 except Exception as e:  # noqa: BLE001
-                    self._prefill_error(r, e)
-            return
+                    self._prefill_error(one[0], e)
+
+    def _prefill_pass(self, batch: list[tuple[_Req, int]]) -> None:
+        """Runs one pass over `batch` and books each request; an error in one's booking (after the pass ran)
+        fails that request alone and is not raised."""
+        items = [self._prefill_item(r, n) for r, n in batch]
+        results = self.runner.prefill_chunks(items)
         self.stats["prefill_passes_total"] += 1
         for (r, _), item, result in zip(batch, items, results, strict=True):
             try:
