@@ -203,6 +203,36 @@ def test_prepare_with_magpie_queries_and_a_greedy_share(tiny, tmp_path, monkeypa
         prepare(str(tmp_path / "c"), **{**kw, "greedy_share": 1.5})
 
 
+def test_prepare_weighs_magpie_domains(tiny, tmp_path, monkeypatch):
+    """`magpie_domains` reaches the Magpie sampler, is part of the plan's settings (another weighting refuses to
+    resume the directory), and unknown domains or weights without Magpie queries are refused up front."""
+    from train import magpie
+    from train.prepare import prepare
+
+    seen = []
+
+    def fake_magpie(target, n, *, seed, banned=(), domains=None, **kw):
+        seen.append(domains)
+        return [("code", f"magpie query {seed} {i} about code") for i in range(n)]
+
+    monkeypatch.setattr(datasets, "load_prompts", _fake_prompts)
+    monkeypatch.setattr(magpie, "magpie_prompts", fake_magpie)
+    tokenize = lambda text: [3 + (ord(c) % 120) for c in text]  # noqa: E731
+    kw = dict(target_spec="tiny", per_domain={"chat": 2}, max_prompt_tokens=60, max_new_tokens=3, batch_size=4,
+              temperature=1.0, top_p=1.0, part_size=8, seed=0, target=tiny, tokenize=tokenize, progress=False,
+              magpie=4, plan_only=True)
+    meta = prepare(str(tmp_path / "a"), **kw, magpie_domains={"code": 3.0, "chat": 1.0})
+    assert seen == [{"code": 3.0, "chat": 1.0}] and meta["settings"]["magpie_domains"] == {"code": 3.0, "chat": 1.0}
+    with pytest.raises(ValueError, match="other settings"):
+        prepare(str(tmp_path / "a"), **kw, magpie_domains={"code": 1.0})
+    with pytest.raises(ValueError, match="unknown Magpie domains"):
+        prepare(str(tmp_path / "b"), **kw, magpie_domains={"poetry": 1.0})
+    with pytest.raises(ValueError, match="needs magpie > 0"):
+        prepare(str(tmp_path / "c"), **{**kw, "magpie": 0}, magpie_domains={"code": 1.0})
+    with pytest.raises(ValueError, match="non-negative"):
+        prepare(str(tmp_path / "d"), **kw, magpie_domains={"code": 0.0})
+
+
 def test_prepare_leaves_out_the_prompts_of_excluded_directories(tiny, tmp_path, monkeypatch):
     """`exclude` (held-out sets) drops every prompt another prepared directory planned, and only those."""
     from train.prepare import prepare, read_plan

@@ -26,13 +26,23 @@ def _prepare(args) -> None:
     meta = prepare(args.out, target_spec=args.target, per_domain={k: v for k, v in per_domain.items() if v > 0},
                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                   part_size=args.part_size, seed=args.seed, magpie=args.magpie, greedy_share=args.greedy_share,
-                   exclude=tuple(args.exclude), plan_only=args.plan_only)
+                   part_size=args.part_size, seed=args.seed, magpie=args.magpie,
+                   magpie_domains=dict(args.magpie_domains) if args.magpie_domains else None,
+                   greedy_share=args.greedy_share, exclude=tuple(args.exclude), plan_only=args.plan_only)
     print(json.dumps({k: v for k, v in meta.items() if k not in ("shards", "settings")}, indent=2))
     if args.plan_only:
         print(f"{args.out}: plan saved, no responses generated (--plan-only)")
     elif args.features:
         _features(args)
+
+
+def _weight(text: str) -> tuple[str, float]:
+    """"code=3" → ("code", 3.0), for --magpie-domains."""
+    name, _, weight = text.partition("=")
+    try:
+        return name, float(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not DOMAIN=WEIGHT") from None
 
 
 def _features(args) -> None:
@@ -190,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--chat-turns", type=int, default=0, help="ShareGPT later-turn training prompts")
     pr.add_argument("--magpie", type=int, default=0,
                     help="queries the target writes itself from its chat template's pre-query prefix (Magpie)")
+    pr.add_argument("--magpie-domains", nargs="+", type=_weight, default=None, metavar="DOMAIN=WEIGHT",
+                    help="weights over the Magpie seed domains (chat, code, math, reasoning, "
+                    "writing), e.g. code=3 chat=1; default equal")
     pr.add_argument("--greedy-share", type=float, default=0.0,
                     help="share of prompts answered greedily (T = 0) instead of at --temperature")
     pr.add_argument("--exclude", nargs="*", default=[], metavar="DIR",

@@ -141,9 +141,11 @@ MAGPIE_FILE = "magpie.jsonl"
 MAGPIE_CHUNK = 256  # queries per appended chunk of magpie.jsonl (the unit of resumption while writing queries)
 
 
-def magpie_pool(out_dir: str, target, n: int, *, seed: int, batch_size: int, progress: bool = True) -> list:
+def magpie_pool(out_dir: str, target, n: int, *, seed: int, batch_size: int, progress: bool = True,
+                domains: dict[str, float] | None = None) -> list:
     """n Magpie (domain, query) pairs, read from out_dir/magpie.jsonl and topped up chunk by chunk (each chunk
-    appended whole, so a killed run keeps the chunks before it); never an evaluation prompt, never a repeat."""
+    appended whole, so a killed run keeps the chunks before it); never an evaluation prompt, never a repeat.
+    `domains` weighs `magpie.SEEDS`' domains (default equal)."""
     from train import magpie
 
     path = os.path.join(out_dir, MAGPIE_FILE)
@@ -158,7 +160,7 @@ def magpie_pool(out_dir: str, target, n: int, *, seed: int, batch_size: int, pro
     banned = set(magpie.eval_prompts()) | {magpie.normalise(q) for _, q in have}
     while len(have) < n:
         chunk = magpie.magpie_prompts(target, min(MAGPIE_CHUNK, n - len(have)), seed=seed + 7919 * len(have),
-                                      batch_size=batch_size, banned=banned, progress=progress)
+                                      batch_size=batch_size, banned=banned, progress=progress, domains=domains)
         if not chunk:
             raise RuntimeError("the target wrote no usable Magpie query in a whole chunk (see train/magpie.py)")
         with open(path, "a", encoding="utf-8") as f:
@@ -240,8 +242,8 @@ def write_metadata(out_dir: str, settings: dict, num_parts: int, shard_stats: di
 def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_prompt_tokens: int = 256,
             max_new_tokens: int = 256, batch_size: int = 64, temperature: float = 0.2, top_p: float = 0.9,
             part_size: int = 128, seed: int = 0, target=None, tokenize=None, progress: bool = True,
-            stop_after_parts: int | None = None, magpie: int = 0, greedy_share: float = 0.0,
-            exclude: tuple[str, ...] = (), plan_only: bool = False) -> dict:
+            stop_after_parts: int | None = None, magpie: int = 0, magpie_domains: dict[str, float] | None = None,
+            greedy_share: float = 0.0, exclude: tuple[str, ...] = (), plan_only: bool = False) -> dict:
     """Builds (or resumes) the training set; returns the metadata it also writes to metadata.json.
 
     Args:
@@ -255,6 +257,7 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
       target, tokenize: an already loaded target, and text → chat-templated ids (default target.chat_ids).
       stop_after_parts: return after writing this many new parts (tests: a killed run).
       magpie: queries the target writes itself (train/magpie.py), answered like the others.
+      magpie_domains: weights over the Magpie seed domains, e.g. {"code": 3, "chat": 1} (default equal).
       greedy_share: the share of prompts answered greedily (T = 0) instead of at `temperature`.
       exclude: other prepared directories (e.g. held-out sets) whose planned prompts this plan leaves out.
       plan_only: save the plan (and write the Magpie queries it needs) but generate no response: a directory
@@ -271,7 +274,15 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
         raise ValueError(f"{greedy_share=} must lie in [0, 1]")
     banned = excluded_prompts(exclude)
     # Only set when used, so a directory prepared before these existed resumes under the same settings.
-    settings.update({k: v for k, v in (("magpie", magpie), ("greedy_share", greedy_share),
+    if magpie_domains is not None:
+        from train.magpie import SEEDS
+
+        if unknown := sorted(set(magpie_domains) - set(SEEDS)):
+            raise ValueError(f"unknown Magpie domains {unknown}; known: {sorted(SEEDS)}")
+        if not magpie or any(w < 0 for w in magpie_domains.values()) or not sum(magpie_domains.values()) > 0:
+            raise ValueError(f"{magpie_domains=} needs magpie > 0 and non-negative weights, some positive")
+    settings.update({k: v for k, v in (("magpie", magpie), ("magpie_domains", magpie_domains),
+                                       ("greedy_share", greedy_share),
                                        ("exclude", exclusion_fingerprint(banned) if exclude else None)) if v})
     os.makedirs(out_dir, exist_ok=True)
     if target is None:
@@ -279,7 +290,7 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
 
         target = load_target(target_spec)
     make_magpie = (lambda: magpie_pool(out_dir, target, magpie, seed=seed, batch_size=batch_size,
-                                       progress=progress)) if magpie else None
+                                       progress=progress, domains=magpie_domains)) if magpie else None
     plan = load_or_make_plan(out_dir, settings, target.chat_ids if tokenize is None else tokenize, make_magpie,
                              banned)
     parts = _parts(len(plan), part_size)
