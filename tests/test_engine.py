@@ -87,15 +87,12 @@ def test_the_model_runner_has_the_interface_the_engine_drives(runners):
         assert isinstance(runner, Runner)
 
 
-def test_a_packed_prefill_gives_each_request_what_it_gets_alone(tiny, runners):
-    """`ModelRunner.prefill_chunks` packs the engine's prefill: a request's later chunk, a whole prompt and the
-    leading part of another, in one pass, each get the token, logprobs and prompt logprobs of a pass alone
-    (each request's rows sliced at its own offset; its sample drawn with its own key)."""
+def _packed_prefill_matches_alone(runner, prompts):
+    """A request's later chunk, a whole prompt and the leading part of another, packed in one prefill pass,
+    each get the token, logprobs and prompt logprobs of a pass alone."""
     from dspark_jax.keys import request_key_data
     from dspark_jax.runner import PrefillItem
 
-    _, _, prompts, _ = tiny
-    runner = runners["spec"]
     p0, p1, p2 = prompts[2], prompts[0], prompts[3]  # 16, 2 and 23 tokens
     M = runner.max_pages
     table = [np.arange(i * M, (i + 1) * M, dtype=np.int32) for i in range(3)]
@@ -121,6 +118,13 @@ def test_a_packed_prefill_gives_each_request_what_it_gets_alone(tiny, runners):
     assert [a[2] is not None for a in alone] == [True, True, False] and len(alone[1][2][0]) == len(p1) - 1
     with pytest.raises(ValueError, match="chunks in one prefill pass"):
         runner.prefill_chunks(items * runner.prefill_rows[-1])
+
+
+def test_a_packed_prefill_gives_each_request_what_it_gets_alone(tiny, runners):
+    """`ModelRunner.prefill_chunks` packs the engine's prefill: each request's rows are sliced at its own
+    offset and its sample drawn with its own key, so packing changes no request's output."""
+    runner = runners["spec"]
+    _packed_prefill_matches_alone(runner, tiny[2])
     # On the CPU's jnp attention every request row computes the longest chunk's queries: the engine packs
     # while rows × longest ≤ 2 × the largest bucket (32 here).
     assert not runner.kernels.pallas("attention")
@@ -515,6 +519,17 @@ def test_hostile_values_fail_alone_and_pages_cannot_leak(tiny, runners):
     runner.target_kv, runner.drafter_kv = nan(runner.target_kv), nan(runner.drafter_kv)
     assert _run_greedy(core, prompts, tag="poisoned") == ref
     assert core.pages.num_free == core.pages.num_pages
+
+
+def test_a_packed_prefill_on_the_pallas_kernel_gives_each_request_what_it_gets_alone(tiny):
+    """The accelerators' prefill: the ragged attention kernel (interpreted here) packs requests freely
+    (`prefill_fits` always), a later chunk starting mid-page among them, and each still gets its pass alone."""
+    target, _, prompts, _ = tiny
+    engine = _engine(target, None, "none", kernels="pallas", page_size=16, profile=False)
+    engine.stop()
+    runner = engine.core.runner
+    assert runner.kernels.pallas("attention") and runner.prefill_fits([30, 1, 1, 1])
+    _packed_prefill_matches_alone(runner, prompts)
 
 
 def test_engine_with_pallas_kernels_matches_target_only(tiny):
