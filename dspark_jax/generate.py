@@ -30,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep; 1.0 = off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this fraction as likely as the most likely one; 0 = off")
     p.add_argument("--seed", type=int, default=0, help="random seed; a fixed seed gives a fixed output")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="parameter/activation dtype: auto (bfloat16 on GPU/TPU, float32 on CPU, where bf16 GEMMs "
@@ -48,9 +50,10 @@ def main(argv=None) -> int:
     try:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        from dspark_jax.sampling import check_params
+        from dspark_jax.sampling import check_min_p, check_params
 
         check_params(args.temperature, args.top_k, args.top_p)  # validate before the slow model load
+        check_min_p(args.min_p)
         t0 = time.perf_counter()
         target = dspark_jax.load_target(args.target, dtype=args.dtype)
         drafter = dspark_jax.load_drafter(args.drafter, target) if args.drafter else None
@@ -68,7 +71,8 @@ def main(argv=None) -> int:
 
         res = dspark_jax.generate(target, [prompt], drafter, max_new_tokens=args.max_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  seed=args.seed, on_tokens=None if args.json else stream, kv_dtype=args.kv_dtype)
+                                  min_p=args.min_p, seed=args.seed, on_tokens=None if args.json else stream,
+                                  kv_dtype=args.kv_dtype)
     except ValueError as e:  # ModelSpecError and bad parameters: one line, exit 2, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

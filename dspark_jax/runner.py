@@ -103,6 +103,7 @@ class StepBatch:
     temperature: np.ndarray  # f32 [Bb]
     top_k: np.ndarray  # int32 [Bb]
     top_p: np.ndarray  # f32 [Bb]
+    min_p: np.ndarray  # f32 [Bb] (0: off; verification only, drafts are drawn without it)
     keys: np.ndarray  # uint32 [Bb, 2] request key data (dspark_jax/keys.py)
     rounds: np.ndarray  # int32 [Bb] the round being run
     logprobs: np.ndarray  # bool [Bb] whether the request wants logprobs
@@ -150,6 +151,7 @@ class DeviceBatch(NamedTuple):
     temperature: jax.Array  # f32 [Bb]
     top_k: jax.Array  # int32 [Bb]
     top_p: jax.Array  # f32 [Bb]
+    min_p: jax.Array  # f32 [Bb]
     keys: jax.Array  # uint32 [Bb, 2] request key data
     rounds: jax.Array  # int32 [Bb]
     logprobs: jax.Array  # bool [Bb]
@@ -165,11 +167,11 @@ def advance(dev: DeviceBatch, emitted, num_accepted) -> DeviceBatch:
                         anchors=jnp.where(dev.active, emitted[rows, m], dev.anchors), rounds=dev.rounds + 1)
 
 
-def _first_token(logits, keys, greedy, temp, top_k, top_p):
+def _first_token(logits, keys, greedy, temp, top_k, top_p, min_p):
     """The token after each anchor from its logits [Bb, V]: argmax when every row is greedy, else a draw of the
     filtered distribution with each row's key."""
     return jax.lax.cond(greedy, lambda: jnp.argmax(logits, -1).astype(jnp.int32),
-                        lambda: sample(keys, filter_probs(logits, temp, top_k, top_p)))
+                        lambda: sample(keys, filter_probs(logits, temp, top_k, top_p, min_p)))
 
 
 def _logprob_outputs(logits, tokens, want, rows=None):
@@ -260,6 +262,7 @@ class PrefillChunk(NamedTuple):
     temperature: jax.Array  # f32 [b]
     top_k: jax.Array  # int32 [b]
     top_p: jax.Array  # f32 [b]
+    min_p: jax.Array  # f32 [b]
     want_logprobs: jax.Array  # bool []: logprobs of the sampled tokens
     want_prompt_logprobs: jax.Array  # bool []: the LM head over every row, scoring `next_tokens`
 
@@ -295,7 +298,8 @@ def prefill_program(target_params, drafter_params, target_kv, drafter_kv, chunk:
     logits = target.head(h[jnp.clip(query_start[1:] - 1, 0, C - 1)])  # [b, V]: after each chunk's last token
     keys = round_keys(chunk.keys, jnp.zeros((b,), jnp.int32), VERIFY)
     temperature = jnp.where(chunk.counts > 0, chunk.temperature, 0.0)
-    tok = sample(keys, filter_probs(logits, temperature, chunk.top_k, chunk.top_p), all_greedy(temperature))
+    tok = sample(keys, filter_probs(logits, temperature, chunk.top_k, chunk.top_p, chunk.min_p),
+                 all_greedy(temperature))
     lp = _logprob_outputs(logits, tok, chunk.want_logprobs)
     prompt_lp = _prompt_logprobs_if(chunk.want_prompt_logprobs, target.head, h, chunk.next_tokens, logits.shape[-1])
     return target_kv, drafter_kv, tok, lp, prompt_lp
@@ -365,26 +369,26 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
     # The LM head on the bucket's rows only (∝ capacity), then each request's L+1 rows gathered from them.
     flat_logits = target.head(h)  # [capacity, V]
     rows = jnp.clip(query_start[:-1, None] + jnp.arange(L + 1), 0, capacity - 1)  # [Bb, L+1]
-    temp, top_k, top_p = batch.temperature, batch.top_k, batch.top_p
+    temp, top_k, top_p, min_p = batch.temperature, batch.top_k, batch.top_p, batch.min_p
     greedy = all_greedy(jnp.where(active, temp, 0.0))
     verify_keys = round_keys(batch.keys, batch.rounds, VERIFY)
     first = flat_logits[rows[:, 0]]  # [Bb, V]: each request's row after its anchor
     if L == 0:  # target only: sample the token after each anchor
-        tok = _first_token(first, verify_keys, greedy, temp, top_k, top_p)
+        tok = _first_token(first, verify_keys, greedy, temp, top_k, top_p, min_p)
         emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
         lp = _logprob_outputs(first[:, None], emitted, jnp.any(batch.logprobs & active))
         packed = _packed(emitted, zeros + 1, zeros, lengths)
         return target_kv, drafter_kv, emitted, zeros + 1, zeros, lengths, lp, packed
     if mode == "plain":  # ℓ = 0 for every row: the token after each anchor, drawn as `verify` draws it at ℓ = 0
         emit_keys = jax.vmap(lambda k: jax.random.split(k)[1])(verify_keys)
-        tok = _first_token(first, emit_keys, greedy, temp, top_k, top_p)
+        tok = _first_token(first, emit_keys, greedy, temp, top_k, top_p, min_p)
         zeros = jnp.zeros((Bb,), jnp.int32)
         res = VerifyResult(jnp.concatenate([tok[:, None], jnp.full((Bb, L), -1, jnp.int32)], 1), zeros + 1, zeros)
     else:
         res = jax.lax.cond(
             greedy,
             lambda: greedy_verify(jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows], draft, lengths),
-            lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, top_k, top_p), draft,
+            lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, top_k, top_p, min_p), draft,
                            draft_vocab.to_vocab(q, nnx.merge(drafter_graph.value, drafter_params).cfg), lengths))
     if drafter_graph is not None:
         drafter_kv = drafter_write_flat(nnx.merge(drafter_graph.value, drafter_params), drafter_kv, feats, slot, pos,
@@ -416,6 +420,7 @@ class PrefillItem(NamedTuple):
     top_p: float
     logprobs: bool = False
     prompt_targets: list[int] | None = None
+    min_p: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -568,11 +573,11 @@ class ModelRunner:
         return pick(len(counts), self.prefill_rows) * max(counts) <= 2 * self.chunk_sizes[-1]
 
     def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
-                logprobs: bool = False, prompt_targets=None):
+                logprobs: bool = False, prompt_targets=None, min_p: float = 0.0):
         """`prefill_chunks` of one request's chunk (`PrefillItem` has the arguments) → its (token, logprobs,
         prompt logprobs)."""
         return self.prefill_chunks([PrefillItem(tokens, start, table_row, key, temperature, top_k, top_p,
-                                                logprobs, prompt_targets)])[0]
+                                                logprobs, prompt_targets, min_p)])[0]
 
     def prefill_chunks(self, items: list[PrefillItem]) -> list[tuple]:
         """Runs the chunks of len(items) ≤ `prefill_rows[-1]` requests, ≤ the largest chunk bucket of tokens
@@ -600,22 +605,23 @@ class ModelRunner:
             [it.tokens for it in items], [it.start for it in items],
             np.stack([np.asarray(it.table_row, np.int32) for it in items]), [it.key for it in items],
             [it.temperature for it in items], [it.top_k for it in items], [it.top_p for it in items],
-            rows=pick(n, self.prefill_rows), capacity=C, max_q_len=C, logprobs=want_lp, next_tokens=targets)
+            min_p=[it.min_p for it in items], rows=pick(n, self.prefill_rows), capacity=C, max_q_len=C,
+            logprobs=want_lp, next_tokens=targets)
         tok, lp, prompt_lp = jax.device_get((tok, lp if want_lp else None, None if targets is None else prompt_lp))
         return [(int(tok[i]), tuple(x[i] for x in lp) if it.logprobs else None,
                  tuple(x[at : at + len(it.prompt_targets)] for x in prompt_lp) if yes else None)
                 for i, (it, at, yes) in enumerate(zip(items, offsets, scored, strict=False))]
 
     def prefill_many(self, prompts: list[list[int]], block_tables, keys, temperature, top_k, top_p, *, rows: int,
-                     capacity: int, max_q_len: int) -> jax.Array:
+                     capacity: int, max_q_len: int, min_p=0.0) -> jax.Array:
         """Prefills whole prompts of len(prompts) ≤ `rows` requests in one packed pass of `capacity` flat rows
         (each prompt ≤ `max_q_len` tokens; rows, capacity and max_q_len are the caller's buckets) → the token
         sampled after each prompt, int32 [rows] on device (padding rows: ignore). Per-request arrays [n]:
-        block_tables [n, M], keys [n, 2], temperature, top_k, top_p."""
+        block_tables [n, M], keys [n, 2], temperature, top_k, top_p, min_p (a scalar or [n])."""
         return self._prefill_pass(prompts, [0] * len(prompts), block_tables, keys, temperature, top_k, top_p,
-                                  rows=rows, capacity=capacity, max_q_len=max_q_len)[0]
+                                  min_p=min_p, rows=rows, capacity=capacity, max_q_len=max_q_len)[0]
 
-    def _prefill_pass(self, chunks, starts, block_tables, keys, temperature, top_k, top_p, *, rows: int,
+    def _prefill_pass(self, chunks, starts, block_tables, keys, temperature, top_k, top_p, *, min_p=0.0, rows: int,
                       capacity: int, max_q_len: int, logprobs: bool = False, next_tokens=None):
         """Packs the chunks back to back into `capacity` rows, pads the requests to `rows`, uploads once and
         runs `prefill_program` → its (tokens [rows], logprobs, prompt logprobs) device outputs."""
@@ -641,7 +647,8 @@ class ModelRunner:
             starts=per_request(starts, np.int32), counts=counts, block_tables=tables,
             keys=per_request(np.asarray(keys, np.uint32).reshape(n, 2), np.uint32),
             temperature=per_request(temperature, np.float32), top_k=per_request(top_k, np.int32),
-            top_p=per_request(top_p, np.float32, 1.0), want_logprobs=np.bool_(logprobs),
+            top_p=per_request(top_p, np.float32, 1.0), min_p=per_request(min_p, np.float32),
+            want_logprobs=np.bool_(logprobs),
             want_prompt_logprobs=np.bool_(next_tokens is not None)))  # one upload for the pass
         s = self._static
         self.target_kv, self.drafter_kv, tok, lp, prompt_lp = prefill_program(
@@ -673,8 +680,8 @@ class ModelRunner:
             active=np.array(b.active, bool), lengths=np.array(b.lengths, np.int32),
             anchors=np.array(b.anchors, np.int32), block_tables=np.array(b.block_tables, np.int32),
             temperature=np.array(b.temperature, np.float32), top_k=np.array(b.top_k, np.int32),
-            top_p=np.array(b.top_p, np.float32), keys=np.array(b.keys, np.uint32),
-            rounds=np.array(b.rounds, np.int32), logprobs=np.array(b.logprobs, bool)))
+            top_p=np.array(b.top_p, np.float32), min_p=np.array(b.min_p, np.float32),
+            keys=np.array(b.keys, np.uint32), rounds=np.array(b.rounds, np.int32), logprobs=np.array(b.logprobs, bool)))
 
     def draft(self, b: StepBatch, dev: DeviceBatch | None = None):
         """(draft, q, confidence) device arrays for every row of the batch bucket; q is over the drafter's
@@ -777,7 +784,8 @@ class ModelRunner:
         return StepBatch(lengths=np.zeros(Bb, np.int32), anchors=np.zeros(Bb, np.int32),
                          block_tables=np.full((Bb, self.max_pages), self.num_pages, np.int32),
                          temperature=np.zeros(Bb, np.float32), top_k=np.zeros(Bb, np.int32),
-                         top_p=np.ones(Bb, np.float32), keys=np.zeros((Bb, 2), np.uint32),
+                         top_p=np.ones(Bb, np.float32), min_p=np.zeros(Bb, np.float32),
+                         keys=np.zeros((Bb, 2), np.uint32),
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 
     # ---- start-up ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Sampling: per-request logit filtering (temperature, top-k, top-p) and the exponential-trick sampler.
+"""Sampling: per-request logit filtering (temperature, min-p, top-k, top-p) and the exponential-trick sampler.
 
 The filtered distribution is the one object both speculative-decoding sides share: the drafter samples its
 draft tokens from it and verification (`verification.py`, Leviathan et al. 2023) compares the target's and
@@ -10,6 +10,8 @@ requests, so temperature, top-k and top-p are arrays, not Python numbers, and ma
 
 Semantics (vLLM / Hugging Face):
   * temperature == 0 is greedy: a one-hot at argmax of the raw logits (first index on ties).
+  * min_p == 0 is off; otherwise, first, keep every token whose temperature-scaled probability is >= min_p
+    times the most likely token's (vLLM applies it before top-k and top-p, as here).
   * top_k == 0 is off; otherwise keep every token whose scaled logit is >= the k-th largest (ties at the
     k-th value are all kept, as `logits < kth_value` masking does in both libraries).
   * top_p >= 1 is off; otherwise, after top-k, keep the smallest prefix of the descending order whose
@@ -54,16 +56,25 @@ def check_params(temperature, top_k, top_p, vocab: int | None = None) -> tuple[f
     return (0.0 if t < GREEDY_BELOW else t), k, float(top_p)
 
 
+def check_min_p(min_p) -> float:
+    """min_p as a float in [0, 1] (0: off), or ValueError with a message meant for the caller."""
+    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not (
+            math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+    return float(min_p)
+
+
 def filter_probs(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array | None = None
 ) -> jax.Array:
-    """Temperature / top-k / top-p filtered, renormalised distribution, per request.
+    """Temperature / min-p / top-k / top-p filtered, renormalised distribution, per request.
 
     Args:
       logits: f32 [B, T, V] or [B, V].
       temperature: f32 [B]; 0 means greedy (one-hot at argmax).
       top_k: int32 [B]; 0 means off; values above V act as V.
       top_p: f32 [B]; >= 1.0 means off.
+      min_p: f32 [B] or None; 0 (or None) means off.
 
     Returns:
       probs: f32, same shape as `logits`; each row sums to 1 and is exactly zero outside the kept set.
@@ -75,8 +86,8 @@ def filter_probs(
     if squeeze:
         x = x[:, None, :]
     b, _, v = x.shape
-    for name, arr in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if jnp.shape(arr) != (b,):
+    for name, arr in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if arr is not None and jnp.shape(arr) != (b,):
             raise ValueError(f"{name} must have shape [B]={(b,)}, got {jnp.shape(arr)=}")
 
     temperature = jnp.asarray(temperature, jnp.float32)[:, None, None]  # [B, 1, 1]
@@ -85,6 +96,13 @@ def filter_probs(
 
     greedy = temperature <= 0.0
     scaled = x / jnp.where(greedy, 1.0, temperature)
+    if min_p is not None:  # p_i >= min_p · p_max  ⇔  s_i − s_max >= log(min_p); log 0 = −inf keeps all
+        min_p = jnp.asarray(min_p, jnp.float32)[:, None, None]
+
+        def floor(s):
+            return jnp.where(s >= jnp.max(s, axis=-1, keepdims=True) + jnp.log(min_p), s, -jnp.inf)
+
+        scaled = jax.lax.cond(jnp.any(min_p > 0.0), floor, lambda s: s, scaled)
     # Sorting V logits per position is the expensive part: skip it when no row filters (the common case).
     needs_sort = jnp.any((top_k > 0) | (top_p < 1.0))
     probs = jax.lax.cond(needs_sort, lambda: _sorted_filter(scaled, top_k, top_p),

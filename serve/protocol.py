@@ -10,7 +10,7 @@ Validation policy: every field is checked here, at the protocol boundary, before
     know may change the output, and ignoring it would hand back an answer the client cannot tell is wrong.
   * Known fields we do not implement are accepted only at their neutral value, the one that leaves the output
     as if the field were absent; any other value is 400 naming it (code "unsupported_parameter"). See UNSUPPORTED:
-    presence/frequency_penalty 0, repetition_penalty 1, min_p 0, logit_bias {}, best_of = n, suffix empty,
+    presence/frequency_penalty 0, repetition_penalty 1, logit_bias {}, best_of = n, suffix empty,
     response_format {"type": "text"}, tools/functions absent, tool_choice/function_call "none",
     parallel_tool_calls absent; and vLLM's extras at vLLM's defaults: min_tokens 0, skip_special_tokens and
     spaces_between_special_tokens true, include_stop_str_in_output, use_beam_search,
@@ -18,22 +18,21 @@ Validation policy: every field is checked here, at the protocol boundary, before
     add_special_tokens false.
   * vLLM's extras this server implements: completions `add_special_tokens` (default true: a string prompt gets the
     tokenizer's BOS, as vLLM encodes it), chat `add_generation_prompt` (default true) and `chat_template_kwargs`
-    (more template variables, e.g. Qwen3's enable_thinking), top_k, stop_token_ids, ignore_eos.
+    (more template variables, e.g. Qwen3's enable_thinking), top_k, min_p, stop_token_ids, ignore_eos.
   * Fields that never change the output are accepted and ignored: user, metadata, store, service_tier,
     prompt_cache_key, safety_identifier, priority (served first come, first served),
     stream_options.include_usage (honoured; stream_options only with stream true, as OpenAI), and a message's
     name / tool_call_id.
-  * Ranges (OpenAI's, plus vLLM's top_k, stop_token_ids, ignore_eos): temperature in [0, 2] (below 1e-5 is
-    greedy, 0), top_p in (0, 1], top_k >= -1 (0 and -1 off; the server clamps values >= vocab to off, which is
-    what keeping the whole vocabulary means), seed in int64, n in 1..MAX_N (choice i is seeded seed + i,
-    wrapped in int64), max_tokens in 1..2^31-1 (and prompt + max_tokens <= the model's context, checked by the
-    server; completions also take 0 with `echo`: the prompt scored, nothing generated), up to MAX_STOP stop
-    strings of 1..MAX_STOP_CHARS characters (MAX_STOP_TOTAL_CHARS in all), up to MAX_STOP_TOKEN_IDS stop token
-    ids, completions `logprobs`
-    in 0..MAX_LOGPROBS, chat `logprobs` a bool and `top_logprobs` in 0..MAX_LOGPROBS (only with logprobs
-    true), at most MAX_MESSAGES messages. Token ids (prompt and stop_token_ids) must be in
-    [0, vocab): the server checks them against `engine.vocab_size`. OpenAI caps completions `logprobs` at 5;
-    this server allows MAX_LOGPROBS (20), as vLLM does.
+  * Ranges (OpenAI's, plus vLLM's top_k, min_p, stop_token_ids, ignore_eos): temperature in [0, 2] (below 1e-5 is
+    greedy, 0), top_p in (0, 1], min_p in [0, 1] (0 off), top_k >= -1 (0 and -1 off; the server clamps values >=
+    vocab to off, which is what keeping the whole vocabulary means), seed in int64, n in 1..MAX_N (choice i is
+    seeded seed + i, wrapped in int64), max_tokens in 1..2^31-1 (and prompt + max_tokens <= the model's context,
+    checked by the server; completions also take 0 with `echo`: the prompt scored, nothing generated), up to
+    MAX_STOP stop strings of 1..MAX_STOP_CHARS characters (MAX_STOP_TOTAL_CHARS in all), up to MAX_STOP_TOKEN_IDS
+    stop token ids, completions `logprobs` in 0..MAX_LOGPROBS, chat `logprobs` a bool and `top_logprobs` in
+    0..MAX_LOGPROBS (only with logprobs true), at most MAX_MESSAGES messages. Token ids (prompt and stop_token_ids)
+    must be in [0, vocab): the server checks them against `engine.vocab_size`. OpenAI caps completions `logprobs` at
+    5; this server allows MAX_LOGPROBS (20), as vLLM does.
   * Completions `prompt`: a string, a list of token ids, or a batch of 1..MAX_PROMPTS strings or token-id
     lists; a batch gives prompts × n choices, choice i·n + j the j-th of prompt i (OpenAI's order). `echo`
     prepends each prompt to its choice's text and, with `logprobs`, the prompt tokens' logprobs (the first
@@ -119,6 +118,7 @@ class _Request(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     # Known but unimplemented: accepted only at the neutral value (UNSUPPORTED).
     presence_penalty: Annotated[float | None, _only({"type": "number", "minimum": 0, "maximum": 0}, _NO_PENALTY)] = \
         Field(None, ge=-2.0, le=2.0)
@@ -126,8 +126,6 @@ class _Request(_Strict):
         Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Annotated[float | None, _only({"type": "number", "minimum": 1, "maximum": 1}, _NO_PENALTY)] = \
         Field(None, gt=0.0, le=2.0)
-    min_p: Annotated[float | None, _only({"type": "number", "minimum": 0, "maximum": 0}, "not implemented")] = \
-        Field(None, ge=0.0, le=1.0)
     logit_bias: Annotated[dict[str, float] | None, _only({"type": "object", "maxProperties": 0}, "not implemented")] = \
         None
     # vLLM's sampling extras, known but unimplemented: accepted at the value vLLM defaults to (UNSUPPORTED).
@@ -201,7 +199,6 @@ UNSUPPORTED = {
     "presence_penalty": (lambda v, r: v == 0, "penalties are not implemented; only 0 is accepted"),
     "frequency_penalty": (lambda v, r: v == 0, "penalties are not implemented; only 0 is accepted"),
     "repetition_penalty": (lambda v, r: v == 1, "penalties are not implemented; only 1 is accepted"),
-    "min_p": (lambda v, r: v == 0, "min_p filtering is not implemented; only 0 is accepted"),
     "logit_bias": (lambda v, r: not v, "logit_bias is not implemented; only {} is accepted"),
     "best_of": (lambda v, r: v == (r.n or 1), "best_of is not implemented; it must equal n"),
     "suffix": (lambda v, r: v == "", "suffix (insertion) is not implemented"),

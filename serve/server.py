@@ -263,7 +263,8 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[..., lis
         except ValueError as e:
             raise APIError(str(e), param="temperature/top_k/top_p", code="invalid_value") from None
         k = req.logprobs_k()
-        base = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=req.seed,
+        base = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              min_p=req.min_p or 0.0, seed=req.seed,
                               stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), logprobs=k,
                               prompt_logprobs=k if not chat and req.echo else None)
         return [dataclasses.replace(base, seed=None if req.seed is None else _wrap_int64(req.seed + i))

@@ -16,13 +16,15 @@ from typing import Protocol
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """Per-request sampling: temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters. max_tokens
+    """Per-request sampling: temperature 0 is greedy; top_k 0, top_p 1.0 and min_p 0 disable those filters
+    (min_p filters the target's distribution only: drafts are drawn without it, which stays lossless). max_tokens
     0 scores the prompt only (with prompt_logprobs): the request ends after its prefill, with no token."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

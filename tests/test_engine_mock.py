@@ -143,7 +143,8 @@ class MockRunner:
             if int(it.key[1]) in self.fail_prefill:
                 raise self.fail_prefill[int(it.key[1])]
         self.prefill_passes.append(tuple(int(it.key[1]) for it in items))  # seeds
-        return [self.prefill(*it[:-1], prompt_targets=it.prompt_targets or None) for it in items]
+        return [self.prefill(it.tokens, it.start, it.table_row, it.key, it.temperature, it.top_k, it.top_p,
+                             it.logprobs, prompt_targets=it.prompt_targets or None) for it in items]
 
     def prefill_fits(self, counts) -> bool:
         return True
@@ -173,7 +174,8 @@ class MockRunner:
         return StepBatch(lengths=np.zeros(Bb, np.int32), anchors=np.zeros(Bb, np.int32),
                          block_tables=np.full((Bb, M), self.tkv.num_pages, np.int32),
                          temperature=np.zeros(Bb, np.float32), top_k=np.zeros(Bb, np.int32),
-                         top_p=np.ones(Bb, np.float32), keys=np.zeros((Bb, 2), np.uint32),
+                         top_p=np.ones(Bb, np.float32), min_p=np.zeros(Bb, np.float32),
+                         keys=np.zeros((Bb, 2), np.uint32),
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 
     def device_batch(self, b: StepBatch) -> dict:

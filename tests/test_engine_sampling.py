@@ -111,14 +111,19 @@ def _sample(core, n: int, max_tokens: int, seed0: int, **params) -> np.ndarray:
 
 
 # ---- the oracle: exact joint of the (filtered) target, in numpy -------------------------------------------------
-def _filtered_np(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+def _filtered_np(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
     """The filtered next-token distribution of one logit row [V] (f64), written from sampling.py's documented
-    semantics, not its code: softmax(logits / T); top-k keeps every token >= the k-th largest (ties kept);
+    semantics, not its code: softmax(logits / T); min-p first keeps tokens with p >= min_p · max p (vLLM's
+    order); top-k keeps every token >= the k-th largest (ties kept);
     top-p then walks the top-k-renormalised distribution in descending order (ties: lower index first) and keeps
     a token while the mass strictly before it is < top_p (so the crossing token is kept), the first always."""
     z = logits.astype(np.float64) / temperature
     order = sorted(range(z.size), key=lambda i: (-z[i], i))
     keep = np.ones(z.size, bool)
+    if min_p:
+        ratio = np.exp(z - z.max())
+        assert np.all(abs(ratio - min_p) > 1e-5), (ratio, min_p)  # no token may sit on the threshold
+        keep &= ratio >= min_p
     if top_k:
         keep &= z >= z[order[top_k - 1]]
     p = np.where(keep, np.exp(z - z.max()), 0.0)
@@ -127,7 +132,7 @@ def _filtered_np(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
         before, nucleus = 0.0, np.zeros(z.size, bool)
         for rank, i in enumerate(order):
             if not keep[i]:
-                break
+                continue
             # The oracle must not hinge on rounding (f32 errors are ~1e-7): no mass-before may sit at top_p.
             assert abs(before - top_p) > 1e-5, (before, top_p)
             nucleus[i] = rank == 0 or before < top_p
@@ -145,12 +150,13 @@ def _padded_logits(target, rows: list[list[int]]) -> np.ndarray:
     return np.asarray(target.logits(ids), np.float64)[:len(rows)]
 
 
-def _exact_joint(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def _exact_joint(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0) -> np.ndarray:
     """P(x1, x2, x3 | PROMPT) [V, V, V] from the logits of PROMPT + every (x1, x2)."""
     V, n = V_SMALL, len(PROMPT)
     joint = np.zeros((V,) * 3)
     for j, (a, b) in enumerate(itertools.product(range(V), repeat=2)):
-        p = [_filtered_np(logits[j, n - 1 + i], temperature, top_k, top_p) for i in range(3)]
+        p = [_filtered_np(logits[j, n - 1 + i], temperature, top_k, top_p, min_p) for i in range(3)]
         joint[a, b] = p[0][a] * p[1][b] * p[2]
     return joint
 
@@ -216,6 +222,25 @@ def test_filtered_sampling_follows_the_filtered_target(models, runner, scheduler
     assert np.all(core.accepts > 0) and np.all(core.accepts < core.attempts), (core.accepts, core.attempts)
     s, L = core.stats, runner.L
     assert core.attempts[-1] > 0 and s["verify_tokens_total"] < (L + 1) * s["row_steps_total"], s
+
+
+def test_min_p_sampling_follows_the_filtered_target(models, runner):
+    """min_p = 0.1 at T = 1 (vLLM's min_p, on the target's distribution; drafts are drawn without it): three
+    tokens follow the exact joint of the min_p-filtered target and no token min_p removed is ever emitted; a
+    request at min_p 1 decodes exactly as a greedy one."""
+    _, _, logits = models
+    core = _core(runner, "dspark")
+    params = dict(temperature=1.0, min_p=0.1)  # 172 of 512 cells kept (0.3 leaves the greedy one alone)
+    joint = _exact_joint(logits, **params)
+    assert (joint == 0).sum() > (_exact_joint(logits, 1.0) == 0).sum()  # the filter removes mass here
+    pvalue, outside = _chi2(_sample(core, 1000, LIVE_TOKENS, seed0=30_000, **params)[:, :3], joint)
+    assert outside == 0
+    assert pvalue > ALPHA, pvalue
+    assert (_sample(core, 2, LIVE_TOKENS, seed0=7, temperature=1.0, min_p=1.0).tolist()
+            == _sample(core, 2, LIVE_TOKENS, seed0=7, temperature=0.0).tolist())
+    with pytest.raises(ValueError, match="min_p"):
+        core.add_request(EngineRequest(request_id="bad", prompt_ids=PROMPT,
+                                       params=SamplingParams(max_tokens=2, min_p=-0.5), on_output=print))
 
 
 # ---- 3. logprobs ------------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ jit_filter = jax.jit(filter_probs)
 jit_sample = jax.jit(sample)
 
 
-def _reference_filter(logits, temperature, top_k, top_p):
-    """Plain float64 numpy, one row at a time, written straight from the vLLM / HF definitions."""
+def _reference_filter(logits, temperature, top_k, top_p, min_p=None):
+    """Plain float64 numpy, one row at a time, written straight from the vLLM / HF definitions (vLLM's order:
+    min-p on the temperature-scaled probabilities first, then top-k, then top-p)."""
     logits = np.asarray(logits, np.float64)
     out = np.zeros_like(logits)
     for idx in np.ndindex(logits.shape[:-1]):
@@ -27,6 +28,9 @@ def _reference_filter(logits, temperature, top_k, top_p):
             out[idx][np.argmax(row)] = 1.0
             continue
         x = row / temperature[b]
+        if min_p is not None and min_p[b] > 0:
+            p = np.exp(x - x.max())
+            x = np.where(p / p.max() >= min_p[b], x, -np.inf)
         if 0 < top_k[b] < x.size:
             x = np.where(x >= np.sort(x)[::-1][top_k[b] - 1], x, -np.inf)
         p = np.exp(x - x.max())
@@ -62,6 +66,36 @@ def test_filter_matches_numpy_reference(shape):
     np.testing.assert_allclose(np.asarray(got).sum(-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(8, 3, 64), (8, 64)])
+def test_min_p_matches_numpy_reference(shape):
+    """min_p (vLLM's: keep p >= min_p · p_max of the temperature-scaled distribution, before top-k / top-p)
+    mixed with the other filters, per row; rows with min_p 0 are unchanged."""
+    logits = np.random.default_rng(1).normal(size=shape).astype(np.float32) * 3.0
+    temperature, top_k, top_p = _params()
+    min_p = np.array([0.5, 0.0, 0.05, 0.3, 0.9, 0.2, 0.1, 1.0], np.float32)
+    got = np.asarray(jit_filter(logits, temperature, top_k, top_p, min_p))
+    want = _reference_filter(logits, temperature, top_k, top_p, min_p)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    np.testing.assert_array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got[1], np.asarray(jit_filter(logits, temperature, top_k, top_p))[1], atol=0)
+    off = np.asarray(jit_filter(logits, temperature, top_k, top_p, np.zeros(8, np.float32)))  # the skipped branch
+    np.testing.assert_array_equal(off, np.asarray(jit_filter(logits, temperature, top_k, top_p)))
+    spot = jit_filter(jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3)), jnp.ones(3), jnp.zeros(3, jnp.int32),
+                      jnp.array([1.0, 1.0, 0.6]), jnp.array([0.35, 0.15, 0.15]))
+    np.testing.assert_allclose(np.asarray(spot), [[5 / 7, 2 / 7, 0, 0, 0],  # 0.15 < 0.35 · 0.5
+                                                  [0.5 / 0.95, 0.2 / 0.95, 0.15 / 0.95, 0.1 / 0.95, 0],
+                                                  [5 / 7, 2 / 7, 0, 0, 0]], atol=1e-6)  # then top-p on what is left
+
+
+def test_check_min_p():
+    from dspark_jax.sampling import check_min_p
+
+    assert check_min_p(0) == 0.0 and check_min_p(0.25) == 0.25 and check_min_p(1) == 1.0
+    for bad in (-0.1, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="min_p"):
+            check_min_p(bad)
+
+
 def test_filter_spot_values():
     logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4))
     probs = jit_filter(
@@ -95,6 +129,8 @@ def test_filter_rejects_bad_shapes():
         filter_probs(jnp.zeros((2, 5)), jnp.ones(3), jnp.zeros(2, jnp.int32), jnp.ones(2))
     with pytest.raises(ValueError, match="logits"):
         filter_probs(jnp.zeros((5,)), jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+    with pytest.raises(ValueError, match="min_p"):
+        filter_probs(jnp.zeros((2, 5)), jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(3))
 
 
 def test_sample_one_hot_returns_argmax():

@@ -305,7 +305,10 @@ def test_sampling_params_pass_through(client, engine):
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos, p.stop_token_ids) == (0.5, 0.9, 0, 11, True, (7,))
     client.completions.create(model=MODEL, prompt="t1", max_tokens=3, extra_body={"top_k": 5})
     p = engine.added[-1].params
-    assert (p.temperature, p.top_p, p.top_k, p.seed) == (1.0, 1.0, 5, None)
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.min_p) == (1.0, 1.0, 5, None, 0.0)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t3"}], max_tokens=2,
+                                   extra_body={"min_p": 0.05})
+    assert engine.added[-1].params.min_p == 0.05
 
 
 def test_n_and_seed(client, engine):
@@ -402,6 +405,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "temperature": 2.5}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "min_p": -0.1}, 400, "min_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "n": 129}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "stop": ["a"] * 65}, 400, "stop"),

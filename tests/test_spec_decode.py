@@ -154,14 +154,15 @@ def small_vocab_target(tmp_path_factory):
     return target_from_hf(hf, tmp_path_factory.mktemp("v8"))
 
 
-def _exact_joint(target, prompt, temperature, top_k, top_p, n=3):
+def _exact_joint(target, prompt, temperature, top_k, top_p, n=3, min_p=0.0):
     """P(x1..xn | prompt) of the filtered target, by enumerating every prefix."""
     V = target.config.vocab_size
     prefixes = np.array(list(itertools.product(range(V), repeat=n - 1)), np.int32)  # [m, n - 1], C order
     m = len(prefixes)
     ids = np.concatenate([np.tile(np.array(prompt, np.int32), (m, 1)), prefixes], axis=1)
     logits = target.logits(ids)[:, len(prompt) - 1:]  # [m, n, V]: every prefix in one forward
-    p = np.asarray(filter_probs(logits, np.full(m, temperature), np.full(m, top_k, np.int32), np.full(m, top_p)))
+    p = np.asarray(filter_probs(logits, np.full(m, temperature), np.full(m, top_k, np.int32), np.full(m, top_p),
+                                np.full(m, min_p, np.float32)))
     prefix_prob = p[np.arange(m)[:, None], np.arange(n - 1), prefixes].prod(axis=1)  # [m]
     return (prefix_prob[:, None] * p[:, n - 1]).reshape((V,) * n)
 
@@ -200,6 +201,26 @@ def test_sampled_output_follows_exact_target_distribution(small_vocab_target, ki
     # A false alarm has probability 1e-3 per test; the poor drafter is rejected often, so recovery is exercised.
     assert _chi2_pvalue(counts, joint * N) > 1e-3
     assert counts[joint == 0].sum() == 0
+
+
+def test_min_p_sampled_output_follows_exact_target_distribution(small_vocab_target):
+    """min_p filters the target's distribution only (drafts are drawn without it): verification still gives
+    exactly the min_p-filtered target distribution, and never a token min_p removed."""
+    target, prompt, min_p = small_vocab_target, [3, 5, 2, 7], 0.25
+    joint = _exact_joint(target, prompt, 1.0, 0, 0.95, min_p=min_p).reshape(-1)
+    assert (joint == 0).sum() > (_exact_joint(target, prompt, 1.0, 0, 0.95).reshape(-1) == 0).sum()  # it bites
+    d = _drafter(target, "dspark", 3, seed=1, scramble=1.0)
+    N, per_call = 12000, 4000
+    counts = np.zeros_like(joint)
+    for call in range(N // per_call):
+        res = dspark_jax.generate(target, [prompt] * per_call, d, max_new_tokens=3, temperature=1.0, top_p=0.95,
+                                  min_p=min_p, seed=2000 + call, ignore_eos=True)
+        idx = np.ravel_multi_index(np.array([t[:3] for t in res.tokens]).T, (V_SMALL,) * 3)
+        counts += np.bincount(idx, minlength=joint.size)
+    assert _chi2_pvalue(counts, joint * N) > 1e-3
+    assert counts[joint == 0].sum() == 0
+    with pytest.raises(ValueError, match="min_p"):
+        dspark_jax.generate(target, [prompt], d, max_new_tokens=2, min_p=1.5)
 
 
 def test_distribution_test_detects_a_biased_sampler(small_vocab_target):
