@@ -117,12 +117,18 @@ def keep_query(text: str, seen: set[str], banned: Iterable[str] = ()) -> str | N
     return text
 
 
+def check_domains(domains: dict[str, float]) -> None:
+    """Raises ValueError unless `domains` weighs known `SEEDS` domains, non-negative weights, some positive."""
+    if unknown := sorted(set(domains) - set(SEEDS)):
+        raise ValueError(f"unknown Magpie domains {unknown}; known: {sorted(SEEDS)}")
+    if any(w < 0 for w in domains.values()) or not sum(domains.values()) > 0:
+        raise ValueError(f"Magpie domain weights {domains} must be non-negative, some positive")
+
+
 def seed_plan(n: int, seed: int, domains: dict[str, float] | None = None) -> list[tuple[str, str]]:
     """n (domain, seed words) draws: domains by weight (default equal), seed words uniformly within one."""
     domains = domains or {d: 1.0 for d in SEEDS}
-    unknown = sorted(set(domains) - set(SEEDS))
-    if unknown:
-        raise ValueError(f"unknown Magpie domains {unknown}; known: {sorted(SEEDS)}")
+    check_domains(domains)
     rng = random.Random(seed)
     names = list(domains)
     picks = rng.choices(names, weights=[domains[d] for d in names], k=n)
@@ -207,5 +213,5 @@ class _OutOfTime(Exception):
     pass
 
 
-__all__ = ["SEEDS", "end_of_turn_id", "eval_prompts", "keep_query", "magpie_prompts", "save_eval_prompts",
-           "seed_plan", "template_parts"]
+__all__ = ["SEEDS", "check_domains", "end_of_turn_id", "eval_prompts", "keep_query", "magpie_prompts",
+           "save_eval_prompts", "seed_plan", "template_parts"]

@@ -274,13 +274,12 @@ def prepare(out_dir: str, *, target_spec: str, per_domain: dict[str, int], max_p
         raise ValueError(f"{greedy_share=} must lie in [0, 1]")
     banned = excluded_prompts(exclude)
     # Only set when used, so a directory prepared before these existed resumes under the same settings.
-    if magpie_domains is not None:
-        from train.magpie import SEEDS
+    if magpie_domains is not None:  # checked before the target loads
+        from train.magpie import check_domains
 
-        if unknown := sorted(set(magpie_domains) - set(SEEDS)):
-            raise ValueError(f"unknown Magpie domains {unknown}; known: {sorted(SEEDS)}")
-        if not magpie or any(w < 0 for w in magpie_domains.values()) or not sum(magpie_domains.values()) > 0:
-            raise ValueError(f"{magpie_domains=} needs magpie > 0 and non-negative weights, some positive")
+        check_domains(magpie_domains)
+        if not magpie:
+            raise ValueError(f"{magpie_domains=} needs magpie > 0")
     settings.update({k: v for k, v in (("magpie", magpie), ("magpie_domains", magpie_domains),
                                        ("greedy_share", greedy_share),
                                        ("exclude", exclusion_fingerprint(banned) if exclude else None)) if v})
