@@ -39,7 +39,7 @@ def check_params(temperature, top_k, top_p, vocab: int | None = None) -> tuple[f
     ValueError with a message meant for the caller.
 
     Accepted: temperature a finite number ≥ 0; top_k an integer ≥ −1 (−1 and 0: off, as vLLM and OpenAI
-    clients send); top_p in (0, 1].
+    clients send); top_p in (0, 1]. min_p is checked by `check_min_p` (generate and the engine call both).
     """
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
             math.isfinite(temperature) and temperature >= 0.0):
