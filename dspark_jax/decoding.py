@@ -25,8 +25,8 @@ from dspark_jax.buckets import pick, pow2_at_least, round_up
 from dspark_jax.kernels import KernelConfig
 from dspark_jax.keys import row_key_data
 from dspark_jax.policy import Policy
-from dspark_jax.runner import ModelRunner, RunnerConfig, StepKind
-from dspark_jax.sampling import check_min_p, check_params
+from dspark_jax.runner import ModelRunner, RunnerConfig, StepKind, bias_rows
+from dspark_jax.sampling import check_logit_bias, check_min_p, check_params
 from dspark_jax.target import dtype_name, resolve_dtype
 from dspark_jax.verification import acceptance_counts
 
@@ -96,7 +96,8 @@ PACKED_PREFILL_TOKENS = 8192  # most prompt tokens in one packed prefill pass of
 PACKED_PREFILL_ROWS = 256  # most prompts in one
 
 
-def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k, top_p, min_p) -> np.ndarray:
+def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k, top_p, min_p,
+                  logit_bias) -> np.ndarray:
     """Prefills every row → the token sampled after each prompt (round 0 of the row's key), int32 [B].
 
     Prompts of at most the largest chunk bucket are packed back to back, many to a pass
@@ -115,13 +116,13 @@ def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k
         return part, runner.prefill_many(
             [prompts[b] for b in part], tables[part], keys[part], np.full(n, temperature, np.float32),
             np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), rows=pow2_at_least(n),
-            capacity=max(q, pow2_at_least(sum(lens))), max_q_len=q, min_p=min_p)
+            capacity=max(q, pow2_at_least(sum(lens))), max_q_len=q, min_p=min_p, logit_bias=[logit_bias] * n)
 
     for b, p in enumerate(prompts):
         if len(p) > chunk:
             for start in range(0, len(p), chunk):
                 anchors[b] = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
-                                            top_p, min_p=min_p)[0]
+                                            top_p, min_p=min_p, logit_bias=logit_bias)[0]
             continue
         if part and (total + len(p) > PACKED_PREFILL_TOKENS or len(part) == PACKED_PREFILL_ROWS):
             passes.append(pack(part))
@@ -138,7 +139,7 @@ def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k
 
 def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p, seed,
                    ignore_eos, on_tokens=None, kernels="auto", on_round=None, kv_dtype="auto",
-                   min_p: float = 0.0) -> GenerateResult:
+                   min_p: float = 0.0, logit_bias=None) -> GenerateResult:
     """Target-only or speculative decoding of a batch through the serving engine's round
     (dspark_jax/runner.py: the same prefill, draft and verify programs over paged caches).
 
@@ -150,6 +151,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     B = len(prompts)
     check_params(temperature, top_k, top_p)  # a clear error before the runner compiles anything
     min_p = check_min_p(min_p)
+    logit_bias = check_logit_bias(logit_bias, target.config.vocab_size) or None
     if drafter is None:
         policy, L = Policy(kind="none"), 0
     else:
@@ -178,7 +180,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
             on_tokens(b, taken)
 
     t0 = time.perf_counter()
-    anchors = _prefill_rows(runner, prompts, tables, keys, temperature, top_k, top_p, min_p)
+    anchors = _prefill_rows(runner, prompts, tables, keys, temperature, top_k, top_p, min_p, logit_bias)
     for b in range(B):
         push(b, anchors[b : b + 1])
     t1 = time.perf_counter()
@@ -188,6 +190,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     batch.anchors[:], batch.block_tables[:], batch.keys[:] = anchors, tables, keys
     batch.temperature[:], batch.top_k[:], batch.top_p[:], batch.rounds[:] = temperature, top_k, top_p, 1
     batch.min_p[:] = min_p
+    batch.bias_ids[:], batch.bias[:] = bias_rows(len(batch.bias), [logit_bias] * B)
     dev = runner.device_batch(batch)
     dev = dev._replace(active=jnp.asarray(~track.done))
     capacity = pick(B * (policy.max_draft(L) + 1), runner.capacities)
@@ -230,7 +233,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
 def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, policy=None,
              on_tokens=None, kernels: str | KernelConfig = "auto", on_round=None,
-             kv_dtype: str = "auto", min_p: float = 0.0) -> GenerateResult:
+             kv_dtype: str = "auto", min_p: float = 0.0, logit_bias: dict | None = None) -> GenerateResult:
     """Generates continuations of token-id prompts, target-only or speculatively with a drafter.
 
     Args:
@@ -241,6 +244,9 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
         temperature, top_k, top_p: filtering applied to target and draft alike (0 temperature = greedy).
         min_p: keep tokens at least min_p times as likely as the most likely one (0: off; vLLM's min_p). Applied
             to the target's distribution (drafts are drawn without it: lossless, some drafts rejected).
+        logit_bias: OpenAI's {token id: bias in [-100, 100]} (at most `sampling.LOGIT_BIAS_MAX` entries), added
+            to the target's raw logits before anything else (greedy takes the biased argmax); drafts, as for
+            min_p, are drawn without it.
         seed: a fixed seed gives a fixed output; each row has its own stream.
         ignore_eos: keep going past EOS tokens.
         policy: speculative verification-length policy (dspark_jax/policy.py); default verifies the full block.
@@ -261,7 +267,7 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
     if any(not 0 <= t < V for p in prompts for t in p):
         raise ValueError(f"prompt token ids must be in [0, {V})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-              ignore_eos=ignore_eos, on_tokens=on_tokens, kernels=kernels)
+              logit_bias=logit_bias, ignore_eos=ignore_eos, on_tokens=on_tokens, kernels=kernels)
     KernelConfig.parse(kernels)  # validates the modes
     compute = dtype_name(target.dtype)
     kv_dtype = resolve_dtype(kv_dtype, auto=compute)

@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep; 1.0 = off")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="keep tokens at least this fraction as likely as the most likely one; 0 = off")
+    p.add_argument("--logit-bias", default=None, metavar="JSON",
+                   help='OpenAI\'s logit_bias: a JSON object of token ids to biases in [-100, 100], e.g. '
+                        '\'{"2": -100}\' bans token 2 (default: none)')
     p.add_argument("--seed", type=int, default=0, help="random seed; a fixed seed gives a fixed output")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="parameter/activation dtype: auto (bfloat16 on GPU/TPU, float32 on CPU, where bf16 GEMMs "
@@ -54,6 +57,12 @@ def main(argv=None) -> int:
 
         check_params(args.temperature, args.top_k, args.top_p)  # validate before the slow model load
         check_min_p(args.min_p)
+        try:
+            logit_bias = None if args.logit_bias is None else json.loads(args.logit_bias)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--logit-bias is not JSON: {e}") from None
+        if logit_bias is not None and not isinstance(logit_bias, dict):
+            raise ValueError("--logit-bias must be a JSON object of token ids to biases")
         t0 = time.perf_counter()
         target = dspark_jax.load_target(args.target, dtype=args.dtype)
         drafter = dspark_jax.load_drafter(args.drafter, target) if args.drafter else None
@@ -71,8 +80,8 @@ def main(argv=None) -> int:
 
         res = dspark_jax.generate(target, [prompt], drafter, max_new_tokens=args.max_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  min_p=args.min_p, seed=args.seed, on_tokens=None if args.json else stream,
-                                  kv_dtype=args.kv_dtype)
+                                  min_p=args.min_p, logit_bias=logit_bias, seed=args.seed,
+                                  on_tokens=None if args.json else stream, kv_dtype=args.kv_dtype)
     except ValueError as e:  # ModelSpecError and bad parameters: one line, exit 2, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -62,7 +62,7 @@ from dspark_jax.paged import (
     last_context_entry,
     target_forward_flat,
 )
-from dspark_jax.sampling import all_greedy, filter_probs, sample
+from dspark_jax.sampling import LOGIT_BIAS_MAX, add_logit_bias, all_greedy, filter_probs, sample
 from dspark_jax.scheduling import survival, topk_fill
 from dspark_jax.target import DTYPES, dtype_name, resolve_dtype
 from dspark_jax.verification import VerifyResult, greedy_verify, verify
@@ -104,6 +104,8 @@ class StepBatch:
     top_k: np.ndarray  # int32 [Bb]
     top_p: np.ndarray  # f32 [Bb]
     min_p: np.ndarray  # f32 [Bb] (0: off; verification only, drafts are drawn without it)
+    bias_ids: np.ndarray  # int32 [Bb, LOGIT_BIAS_MAX] logit bias token ids (verification only, as min_p)
+    bias: np.ndarray  # f32 [Bb, LOGIT_BIAS_MAX] their biases (0: padding)
     keys: np.ndarray  # uint32 [Bb, 2] request key data (dspark_jax/keys.py)
     rounds: np.ndarray  # int32 [Bb] the round being run
     logprobs: np.ndarray  # bool [Bb] whether the request wants logprobs
@@ -152,6 +154,8 @@ class DeviceBatch(NamedTuple):
     top_k: jax.Array  # int32 [Bb]
     top_p: jax.Array  # f32 [Bb]
     min_p: jax.Array  # f32 [Bb]
+    bias_ids: jax.Array  # int32 [Bb, LOGIT_BIAS_MAX]
+    bias: jax.Array  # f32 [Bb, LOGIT_BIAS_MAX]
     keys: jax.Array  # uint32 [Bb, 2] request key data
     rounds: jax.Array  # int32 [Bb]
     logprobs: jax.Array  # bool [Bb]
@@ -263,6 +267,8 @@ class PrefillChunk(NamedTuple):
     top_k: jax.Array  # int32 [b]
     top_p: jax.Array  # f32 [b]
     min_p: jax.Array  # f32 [b]
+    bias_ids: jax.Array  # int32 [b, LOGIT_BIAS_MAX]
+    bias: jax.Array  # f32 [b, LOGIT_BIAS_MAX]
     want_logprobs: jax.Array  # bool []: logprobs of the sampled tokens
     want_prompt_logprobs: jax.Array  # bool []: the LM head over every row, scoring `next_tokens`
 
@@ -298,7 +304,8 @@ def prefill_program(target_params, drafter_params, target_kv, drafter_kv, chunk:
     logits = target.head(h[jnp.clip(query_start[1:] - 1, 0, C - 1)])  # [b, V]: after each chunk's last token
     keys = round_keys(chunk.keys, jnp.zeros((b,), jnp.int32), VERIFY)
     temperature = jnp.where(chunk.counts > 0, chunk.temperature, 0.0)
-    tok = sample(keys, filter_probs(logits, temperature, chunk.top_k, chunk.top_p, chunk.min_p),
+    biased = add_logit_bias(logits, chunk.bias_ids, chunk.bias)
+    tok = sample(keys, filter_probs(biased, temperature, chunk.top_k, chunk.top_p, chunk.min_p),
                  all_greedy(temperature))
     lp = _logprob_outputs(logits, tok, chunk.want_logprobs)
     prompt_lp = _prompt_logprobs_if(chunk.want_prompt_logprobs, target.head, h, chunk.next_tokens, logits.shape[-1])
@@ -364,19 +371,20 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
     target = nnx.merge(target_graph.value, target_params)
     h, target_kv, feats = target_forward_flat(target, target_kv, tokens, slot, pos, valid, tables, n + q_len,
                                               query_start, max_q_len=1 if mode == "plain" else L + 1,
-                                              hidden_layers=hidden_layers,
-                                        kernels=kernels)
+                                              hidden_layers=hidden_layers, kernels=kernels)
     # The LM head on the bucket's rows only (∝ capacity), then each request's L+1 rows gathered from them.
     flat_logits = target.head(h)  # [capacity, V]
     rows = jnp.clip(query_start[:-1, None] + jnp.arange(L + 1), 0, capacity - 1)  # [Bb, L+1]
     temp, top_k, top_p, min_p = batch.temperature, batch.top_k, batch.top_p, batch.min_p
     greedy = all_greedy(jnp.where(active, temp, 0.0))
     verify_keys = round_keys(batch.keys, batch.rounds, VERIFY)
-    first = flat_logits[rows[:, 0]]  # [Bb, V]: each request's row after its anchor
+    bias = jnp.where(active[:, None], batch.bias, 0.0)
+    raw_first = flat_logits[rows[:, 0]]  # [Bb, V]: each request's row after its anchor
+    first = add_logit_bias(raw_first, batch.bias_ids, bias)  # what it samples from (logprobs stay the raw model's)
     if L == 0:  # target only: sample the token after each anchor
         tok = _first_token(first, verify_keys, greedy, temp, top_k, top_p, min_p)
         emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
-        lp = _logprob_outputs(first[:, None], emitted, jnp.any(batch.logprobs & active))
+        lp = _logprob_outputs(raw_first[:, None], emitted, jnp.any(batch.logprobs & active))
         packed = _packed(emitted, zeros + 1, zeros, lengths)
         return target_kv, drafter_kv, emitted, zeros + 1, zeros, lengths, lp, packed
     if mode == "plain":  # ℓ = 0 for every row: the token after each anchor, drawn as `verify` draws it at ℓ = 0
@@ -387,8 +395,9 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
     else:
         res = jax.lax.cond(
             greedy,
-            lambda: greedy_verify(jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows], draft, lengths),
-            lambda: verify(verify_keys, filter_probs(flat_logits[rows], temp, top_k, top_p, min_p), draft,
+            lambda: greedy_verify(_biased_argmax(flat_logits, rows, batch.bias_ids, bias), draft, lengths),
+            lambda: verify(verify_keys, filter_probs(add_logit_bias(flat_logits[rows], batch.bias_ids, bias), temp,
+                                                     top_k, top_p, min_p), draft,
                            draft_vocab.to_vocab(q, nnx.merge(drafter_graph.value, drafter_params).cfg), lengths))
     if drafter_graph is not None:
         drafter_kv = drafter_write_flat(nnx.merge(drafter_graph.value, drafter_params), drafter_kv, feats, slot, pos,
@@ -398,6 +407,14 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
             _packed(res.emitted_tokens, res.num_emitted, res.num_accepted, lengths))
 
 
+def _biased_argmax(flat_logits, rows, ids, bias):
+    """Greedy tokens [Bb, L+1] at each request's rows of the pass's flat logits [T, V] under its logit bias: the
+    argmax over the flat rows, gathered, unless some row has a bias (then its [Bb, L+1, V] rows are gathered)."""
+    return jax.lax.cond(jnp.any(bias != 0.0),
+                        lambda: jnp.argmax(add_logit_bias(flat_logits[rows], ids, bias), -1).astype(jnp.int32),
+                        lambda: jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows])
+
+
 def _packed(emitted, num_emitted, num_accepted, lengths):
     """What the host reads back of every round, as one int32 [Bb, L+4] array (one transfer, not four):
     emitted tokens [:, :L+1], then num_emitted, num_accepted and ℓ."""
@@ -405,6 +422,18 @@ def _packed(emitted, num_emitted, num_accepted, lengths):
 
 
 # ---- host side ------------------------------------------------------------------------------------------------
+def bias_rows(rows: int, per_request) -> tuple[np.ndarray, np.ndarray]:
+    """Rows 0..n−1 of the logit bias arrays (ids int32 [rows, LOGIT_BIAS_MAX], biases f32 [rows, ...]) from n ≤
+    rows requests' {token id: bias} (as `sampling.check_logit_bias` returns them, or None); padding is zero."""
+    ids = np.zeros((rows, LOGIT_BIAS_MAX), np.int32)
+    bias = np.zeros((rows, LOGIT_BIAS_MAX), np.float32)
+    for i, d in enumerate(per_request):
+        if d:
+            ids[i, : len(d)] = list(d)
+            bias[i, : len(d)] = list(d.values())
+    return ids, bias
+
+
 class PrefillItem(NamedTuple):
     """One request's chunk in a prefill pass (`ModelRunner.prefill_chunks`): `tokens` at positions start.. of
     the request whose pages `table_row` lists, sampled with its key data and filters. logprobs: also return the
@@ -421,6 +450,7 @@ class PrefillItem(NamedTuple):
     logprobs: bool = False
     prompt_targets: list[int] | None = None
     min_p: float = 0.0
+    logit_bias: dict | None = None  # {token id: bias} as `sampling.check_logit_bias` returns it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -573,11 +603,11 @@ class ModelRunner:
         return pick(len(counts), self.prefill_rows) * max(counts) <= 2 * self.chunk_sizes[-1]
 
     def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
-                logprobs: bool = False, prompt_targets=None, min_p: float = 0.0):
+                logprobs: bool = False, prompt_targets=None, min_p: float = 0.0, logit_bias=None):
         """`prefill_chunks` of one request's chunk (`PrefillItem` has the arguments) → its (token, logprobs,
         prompt logprobs)."""
         return self.prefill_chunks([PrefillItem(tokens, start, table_row, key, temperature, top_k, top_p,
-                                                logprobs, prompt_targets, min_p)])[0]
+                                                logprobs, prompt_targets, min_p, logit_bias)])[0]
 
     def prefill_chunks(self, items: list[PrefillItem]) -> list[tuple]:
         """Runs the chunks of len(items) ≤ `prefill_rows[-1]` requests, ≤ the largest chunk bucket of tokens
@@ -605,7 +635,8 @@ class ModelRunner:
             [it.tokens for it in items], [it.start for it in items],
             np.stack([np.asarray(it.table_row, np.int32) for it in items]), [it.key for it in items],
             [it.temperature for it in items], [it.top_k for it in items], [it.top_p for it in items],
-            min_p=[it.min_p for it in items], rows=pick(n, self.prefill_rows), capacity=C, max_q_len=C,
+            min_p=[it.min_p for it in items], logit_bias=[it.logit_bias for it in items],
+            rows=pick(n, self.prefill_rows), capacity=C, max_q_len=C,
             logprobs=want_lp, next_tokens=targets)
         tok, lp, prompt_lp = jax.device_get((tok, lp if want_lp else None, None if targets is None else prompt_lp))
         return [(int(tok[i]), tuple(x[i] for x in lp) if it.logprobs else None,
@@ -613,15 +644,18 @@ class ModelRunner:
                 for i, (it, at, yes) in enumerate(zip(items, offsets, scored, strict=False))]
 
     def prefill_many(self, prompts: list[list[int]], block_tables, keys, temperature, top_k, top_p, *, rows: int,
-                     capacity: int, max_q_len: int, min_p=0.0) -> jax.Array:
+                     capacity: int, max_q_len: int, min_p=0.0, logit_bias=None) -> jax.Array:
         """Prefills whole prompts of len(prompts) ≤ `rows` requests in one packed pass of `capacity` flat rows
         (each prompt ≤ `max_q_len` tokens; rows, capacity and max_q_len are the caller's buckets) → the token
         sampled after each prompt, int32 [rows] on device (padding rows: ignore). Per-request arrays [n]:
-        block_tables [n, M], keys [n, 2], temperature, top_k, top_p, min_p (a scalar or [n])."""
+        block_tables [n, M], keys [n, 2], temperature, top_k, top_p, min_p (a scalar or [n]); logit_bias: None
+        or per request {token id: bias} as `sampling.check_logit_bias` returns it."""
         return self._prefill_pass(prompts, [0] * len(prompts), block_tables, keys, temperature, top_k, top_p,
-                                  min_p=min_p, rows=rows, capacity=capacity, max_q_len=max_q_len)[0]
+                                  min_p=min_p, logit_bias=logit_bias, rows=rows, capacity=capacity,
+                                  max_q_len=max_q_len)[0]
 
-    def _prefill_pass(self, chunks, starts, block_tables, keys, temperature, top_k, top_p, *, min_p=0.0, rows: int,
+    def _prefill_pass(self, chunks, starts, block_tables, keys, temperature, top_k, top_p, *, min_p=0.0,
+                      logit_bias=None, rows: int,
                       capacity: int, max_q_len: int, logprobs: bool = False, next_tokens=None):
         """Packs the chunks back to back into `capacity` rows, pads the requests to `rows`, uploads once and
         runs `prefill_program` → its (tokens [rows], logprobs, prompt logprobs) device outputs."""
@@ -641,6 +675,7 @@ class ModelRunner:
 
         tables = np.full((rows, self.max_pages), self.num_pages, np.int32)
         tables[:n] = block_tables
+        bias_ids, bias = bias_rows(rows, logit_bias or ())
         chunk = self._put(PrefillChunk(
             tokens=tokens,
             next_tokens=np.zeros(capacity, np.int32) if next_tokens is None else np.array(next_tokens, np.int32),
@@ -648,7 +683,7 @@ class ModelRunner:
             keys=per_request(np.asarray(keys, np.uint32).reshape(n, 2), np.uint32),
             temperature=per_request(temperature, np.float32), top_k=per_request(top_k, np.int32),
             top_p=per_request(top_p, np.float32, 1.0), min_p=per_request(min_p, np.float32),
-            want_logprobs=np.bool_(logprobs),
+            bias_ids=bias_ids, bias=bias, want_logprobs=np.bool_(logprobs),
             want_prompt_logprobs=np.bool_(next_tokens is not None)))  # one upload for the pass
         s = self._static
         self.target_kv, self.drafter_kv, tok, lp, prompt_lp = prefill_program(
@@ -681,6 +716,7 @@ class ModelRunner:
             anchors=np.array(b.anchors, np.int32), block_tables=np.array(b.block_tables, np.int32),
             temperature=np.array(b.temperature, np.float32), top_k=np.array(b.top_k, np.int32),
             top_p=np.array(b.top_p, np.float32), min_p=np.array(b.min_p, np.float32),
+            bias_ids=np.array(b.bias_ids, np.int32), bias=np.array(b.bias, np.float32),
             keys=np.array(b.keys, np.uint32), rounds=np.array(b.rounds, np.int32), logprobs=np.array(b.logprobs, bool)))
 
     def draft(self, b: StepBatch, dev: DeviceBatch | None = None):
@@ -785,7 +821,8 @@ class ModelRunner:
                          block_tables=np.full((Bb, self.max_pages), self.num_pages, np.int32),
                          temperature=np.zeros(Bb, np.float32), top_k=np.zeros(Bb, np.int32),
                          top_p=np.ones(Bb, np.float32), min_p=np.zeros(Bb, np.float32),
-                         keys=np.zeros((Bb, 2), np.uint32),
+                         bias_ids=np.zeros((Bb, LOGIT_BIAS_MAX), np.int32),
+                         bias=np.zeros((Bb, LOGIT_BIAS_MAX), np.float32), keys=np.zeros((Bb, 2), np.uint32),
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 
     # ---- start-up ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Sampling: per-request logit filtering (temperature, min-p, top-k, top-p) and the exponential-trick sampler.
+"""Sampling: per-request logit bias and filtering (temperature, min-p, top-k, top-p) and the exponential-trick
+sampler.
 
 The filtered distribution is the one object both speculative-decoding sides share: the drafter samples its
 draft tokens from it and verification (`verification.py`, Leviathan et al. 2023) compares the target's and
@@ -8,7 +9,10 @@ the drafter's filtered distributions. Filtering is therefore exact (a renormalis
 Shapes: logits / probs f32 [B, T, V] or [B, V]; per-request parameters [B] (a serving batch mixes
 requests, so temperature, top-k and top-p are arrays, not Python numbers, and may be traced under jit).
 
-Semantics (vLLM / Hugging Face):
+Semantics (vLLM / Hugging Face / OpenAI):
+  * logit_bias (OpenAI's: a sparse {token id: bias in [-100, 100]}, at most LOGIT_BIAS_MAX entries) is added to
+    the raw logits before anything else (`add_logit_bias`), so greedy decoding takes the argmax of the biased
+    logits. It applies to the target's side only: drafts are drawn without it, which stays lossless.
   * temperature == 0 is greedy: a one-hot at argmax of the raw logits (first index on ties).
   * min_p == 0 is off; otherwise, first, keep every token whose temperature-scaled probability is >= min_p
     times the most likely token's (vLLM applies it before top-k and top-p, as here).
@@ -62,6 +66,52 @@ def check_min_p(min_p) -> float:
             math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
         raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
     return float(min_p)
+
+
+LOGIT_BIAS_MAX = 64  # entries per request: the static width of the per-row bias arrays every program takes
+
+
+def check_logit_bias(bias, vocab: int) -> dict[int, float]:
+    """OpenAI's logit_bias normalised to {token id: bias}, sorted by id: a mapping of token ids (ints, or decimal
+    strings as JSON object keys are) to finite numbers in [-100, 100], at most LOGIT_BIAS_MAX of them, each id in
+    [0, vocab). None → {}. Raises ValueError with a message meant for the caller."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {type(bias).__name__}")
+    if len(bias) > LOGIT_BIAS_MAX:
+        raise ValueError(f"logit_bias may hold at most {LOGIT_BIAS_MAX} token ids, got {len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
+            tid = int(key)
+        elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            tid = int(key)
+        else:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        if not 0 <= tid < vocab:
+            raise ValueError(f"logit_bias token id {tid} is outside the vocabulary [0, {vocab})")
+        if tid in out:
+            raise ValueError(f"logit_bias names token id {tid} twice")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tid}")
+        out[tid] = float(value)
+    return {i: out[i] for i in sorted(out)}
+
+
+def add_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """Raw logits f32 [B, V] or [B, T, V] plus each row's sparse logit bias at every position: ids int32 [B, K],
+    bias f32 [B, K] (padding entries carry bias 0, so any id will do). Skipped when no row has a bias."""
+    if ids.shape != bias.shape or ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"logit bias needs ids and biases [B, K] for B = {logits.shape[0]}, got {ids.shape=}, "
+                         f"{bias.shape=}")
+
+    def add(x):
+        dense = jnp.zeros((x.shape[0], x.shape[-1]), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(bias)
+        return x + (dense if x.ndim == 2 else dense[:, None, :])
+
+    return jax.lax.cond(jnp.any(bias != 0.0), add, lambda x: x, logits.astype(jnp.float32))
 
 
 def filter_probs(

@@ -34,8 +34,8 @@ import time
 import numpy as np
 
 from dspark_jax.keys import request_key_data
-from dspark_jax.runner import PrefillItem
-from dspark_jax.sampling import check_min_p, check_params
+from dspark_jax.runner import PrefillItem, bias_rows
+from dspark_jax.sampling import check_logit_bias, check_min_p, check_params
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
 from serve.runner_api import Runner
@@ -165,13 +165,14 @@ class EngineCore:
                              f"{self.max_model_len} tokens")
         temperature, top_k, _ = check_params(p.temperature, p.top_k, p.top_p, vocab=V)
         min_p = check_min_p(p.min_p)
+        logit_bias = check_logit_bias(p.logit_bias, V) or None
         if p.seed is not None:
             request_key_data(p.seed)  # raises for seeds outside 64 bits
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}")
-        params = dataclasses.replace(p, temperature=temperature, top_k=top_k, min_p=min_p)
+        params = dataclasses.replace(p, temperature=temperature, top_k=top_k, min_p=min_p, logit_bias=logit_bias)
         return dataclasses.replace(request, prompt_ids=[int(x) for x in ids], params=params)
 
     def add_request(self, request: EngineRequest) -> None:
@@ -302,7 +303,7 @@ class EngineCore:
         targets = r.prompt[start + 1 : start + len(chunk) + 1] if p.prompt_logprobs is not None and fresh else None
         return PrefillItem(chunk, start, self.pages.table_row(r.rid, self.pages.num_pages), r.key, p.temperature,
                            p.top_k, p.top_p, logprobs=p.logprobs is not None and fresh, prompt_targets=targets,
-                           min_p=p.min_p)
+                           min_p=p.min_p, logit_bias=p.logit_bias)
 
     def _prefill(self) -> None:
         """One prefill pass over `_prefill_batch`. A request's own values can fail the host side of a pass
@@ -401,6 +402,8 @@ class EngineCore:
         b.top_k[:R] = [p.top_k for p in params]
         b.top_p[:R] = [p.top_p for p in params]
         b.min_p[:R] = [p.min_p for p in params]
+        if any(p.logit_bias for p in params):
+            b.bias_ids[:], b.bias[:] = bias_rows(len(b.bias), [p.logit_bias for p in params])
         b.keys[:R] = np.stack([r.key for r in running])
         b.rounds[:R] = [r.rounds + 1 for r in running]
         b.logprobs[:R] = [p.logprobs is not None for p in params]

@@ -10,7 +10,7 @@ Validation policy: every field is checked here, at the protocol boundary, before
     know may change the output, and ignoring it would hand back an answer the client cannot tell is wrong.
   * Known fields we do not implement are accepted only at their neutral value, the one that leaves the output
     as if the field were absent; any other value is 400 naming it (code "unsupported_parameter"). See UNSUPPORTED:
-    presence/frequency_penalty 0, repetition_penalty 1, logit_bias {}, best_of = n, suffix empty,
+    presence/frequency_penalty 0, repetition_penalty 1, best_of = n, suffix empty,
     response_format {"type": "text"}, tools/functions absent, tool_choice/function_call "none",
     parallel_tool_calls absent; and vLLM's extras at vLLM's defaults: min_tokens 0, skip_special_tokens and
     spaces_between_special_tokens true, include_stop_str_in_output, use_beam_search,
@@ -19,6 +19,8 @@ Validation policy: every field is checked here, at the protocol boundary, before
   * vLLM's extras this server implements: completions `add_special_tokens` (default true: a string prompt gets the
     tokenizer's BOS, as vLLM encodes it), chat `add_generation_prompt` (default true) and `chat_template_kwargs`
     (more template variables, e.g. Qwen3's enable_thinking), top_k, min_p, stop_token_ids, ignore_eos.
+  * logit_bias (OpenAI's): at most LOGIT_BIAS_MAX token ids (as decimal strings, OpenAI's keys; in [0, vocab),
+    checked by the server) mapped to biases in [-100, 100], added to the target's raw logits.
   * Fields that never change the output are accepted and ignored: user, metadata, store, service_tier,
     prompt_cache_key, safety_identifier, priority (served first come, first served),
     stream_options.include_usage (honoured; stream_options only with stream true, as OpenAI), and a message's
@@ -55,6 +57,7 @@ import numpy as np
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
+from dspark_jax.sampling import LOGIT_BIAS_MAX
 from serve.types import MAX_LOGPROBS
 
 MAX_N = 128  # OpenAI's cap; choices beyond the server's --max-waiting are a 400 (too_many_choices)
@@ -126,8 +129,7 @@ class _Request(_Strict):
         Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Annotated[float | None, _only({"type": "number", "minimum": 1, "maximum": 1}, _NO_PENALTY)] = \
         Field(None, gt=0.0, le=2.0)
-    logit_bias: Annotated[dict[str, float] | None, _only({"type": "object", "maxProperties": 0}, "not implemented")] = \
-        None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=LOGIT_BIAS_MAX)
     # vLLM's sampling extras, known but unimplemented: accepted at the value vLLM defaults to (UNSUPPORTED).
     min_tokens: Annotated[int | None, _only({"type": "integer", "minimum": 0, "maximum": 0}, "not implemented")] = \
         Field(None, ge=0, le=INT32_MAX)
@@ -199,7 +201,6 @@ UNSUPPORTED = {
     "presence_penalty": (lambda v, r: v == 0, "penalties are not implemented; only 0 is accepted"),
     "frequency_penalty": (lambda v, r: v == 0, "penalties are not implemented; only 0 is accepted"),
     "repetition_penalty": (lambda v, r: v == 1, "penalties are not implemented; only 1 is accepted"),
-    "logit_bias": (lambda v, r: not v, "logit_bias is not implemented; only {} is accepted"),
     "best_of": (lambda v, r: v == (r.n or 1), "best_of is not implemented; it must equal n"),
     "suffix": (lambda v, r: v == "", "suffix (insertion) is not implemented"),
     "response_format": (lambda v, r: v.type == "text" and not v.model_extra,

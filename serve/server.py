@@ -45,7 +45,7 @@ from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dspark_jax
-from dspark_jax.sampling import check_params
+from dspark_jax.sampling import check_logit_bias, check_params
 from serve import responses as R
 from serve.generation import Admission, ClientDisconnected, Generation, Prompt, echo_of
 from serve.metrics import ServerMetrics
@@ -262,9 +262,13 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[..., lis
                                                      vocab=vocab)
         except ValueError as e:
             raise APIError(str(e), param="temperature/top_k/top_p", code="invalid_value") from None
+        try:
+            logit_bias = check_logit_bias(req.logit_bias, vocab) or None
+        except ValueError as e:
+            raise APIError(str(e), param="logit_bias", code="invalid_value") from None
         k = req.logprobs_k()
         base = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              min_p=req.min_p or 0.0, seed=req.seed,
+                              min_p=req.min_p or 0.0, logit_bias=logit_bias, seed=req.seed,
                               stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), logprobs=k,
                               prompt_logprobs=k if not chat and req.echo else None)
         return [dataclasses.replace(base, seed=None if req.seed is None else _wrap_int64(req.seed + i))

@@ -25,6 +25,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # OpenAI's {token id: bias in [-100, 100]} (≤ sampling.LOGIT_BIAS_MAX entries; the engine normalises it to
+    # int ids), added to the target's raw logits; drafts are drawn without it, as for min_p.
+    logit_bias: dict | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

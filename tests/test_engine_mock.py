@@ -30,6 +30,7 @@ import pytest
 
 from dspark_jax.buckets import capacity_buckets, pick, pow2_buckets
 from dspark_jax.runner import StepBatch, StepKind, StepResult
+from dspark_jax.sampling import LOGIT_BIAS_MAX
 from serve.engine import Engine, EngineCore
 from serve.runner_api import Runner
 from serve.scheduler import Scheduler
@@ -175,6 +176,8 @@ class MockRunner:
                          block_tables=np.full((Bb, M), self.tkv.num_pages, np.int32),
                          temperature=np.zeros(Bb, np.float32), top_k=np.zeros(Bb, np.int32),
                          top_p=np.ones(Bb, np.float32), min_p=np.zeros(Bb, np.float32),
+                         bias_ids=np.zeros((Bb, LOGIT_BIAS_MAX), np.int32),
+                         bias=np.zeros((Bb, LOGIT_BIAS_MAX), np.float32),
                          keys=np.zeros((Bb, 2), np.uint32),
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 

@@ -111,13 +111,14 @@ def _sample(core, n: int, max_tokens: int, seed0: int, **params) -> np.ndarray:
 
 
 # ---- the oracle: exact joint of the (filtered) target, in numpy -------------------------------------------------
-def _filtered_np(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+def _filtered_np(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0,
+                 bias: np.ndarray | None = None) -> np.ndarray:
     """The filtered next-token distribution of one logit row [V] (f64), written from sampling.py's documented
-    semantics, not its code: softmax(logits / T); min-p first keeps tokens with p >= min_p · max p (vLLM's
-    order); top-k keeps every token >= the k-th largest (ties kept);
+    semantics, not its code: the logit bias [V] (OpenAI's) added first; softmax(logits / T); min-p first keeps
+    tokens with p >= min_p · max p (vLLM's order); top-k keeps every token >= the k-th largest (ties kept);
     top-p then walks the top-k-renormalised distribution in descending order (ties: lower index first) and keeps
     a token while the mass strictly before it is < top_p (so the crossing token is kept), the first always."""
-    z = logits.astype(np.float64) / temperature
+    z = (logits.astype(np.float64) + (0.0 if bias is None else bias)) / temperature
     order = sorted(range(z.size), key=lambda i: (-z[i], i))
     keep = np.ones(z.size, bool)
     if min_p:
@@ -151,12 +152,12 @@ def _padded_logits(target, rows: list[list[int]]) -> np.ndarray:
 
 
 def _exact_joint(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0) -> np.ndarray:
+                 min_p: float = 0.0, bias: np.ndarray | None = None) -> np.ndarray:
     """P(x1, x2, x3 | PROMPT) [V, V, V] from the logits of PROMPT + every (x1, x2)."""
     V, n = V_SMALL, len(PROMPT)
     joint = np.zeros((V,) * 3)
     for j, (a, b) in enumerate(itertools.product(range(V), repeat=2)):
-        p = [_filtered_np(logits[j, n - 1 + i], temperature, top_k, top_p, min_p) for i in range(3)]
+        p = [_filtered_np(logits[j, n - 1 + i], temperature, top_k, top_p, min_p, bias) for i in range(3)]
         joint[a, b] = p[0][a] * p[1][b] * p[2]
     return joint
 
@@ -241,6 +242,40 @@ def test_min_p_sampling_follows_the_filtered_target(models, runner):
     with pytest.raises(ValueError, match="min_p"):
         core.add_request(EngineRequest(request_id="bad", prompt_ids=PROMPT,
                                        params=SamplingParams(max_tokens=2, min_p=-0.5), on_output=print))
+
+
+def test_logit_bias_follows_the_biased_target(models, runner):
+    """OpenAI's logit_bias (added to the target's raw logits; drafts are drawn without it) at T = 1: three tokens
+    follow the exact joint of the biased target and the banned token never appears; greedy requests take the
+    biased argmax at every position; requests without a bias sharing the passes decode as they do alone."""
+    _, _, logits = models
+    core = _core(runner, "dspark")
+    n = len(PROMPT)
+    greedy_first = int(np.argmax(logits[0, n - 1]))
+    bias = {greedy_first: -100.0, 2: 1.5, 6: -0.75}  # bans the greedy token, which the drafter proposes most
+    dense = np.zeros(V_SMALL)
+    dense[list(bias)] = list(bias.values())
+    joint = _exact_joint(logits, 1.0, bias=dense)
+    sampled = _sample(core, 1000, LIVE_TOKENS, seed0=40_000, temperature=1.0,
+                      logit_bias={str(k): v for k, v in bias.items()})
+    pvalue, outside = _chi2(sampled[:, :3], joint)
+    assert outside == 0 and not (sampled == greedy_first).any()
+    assert pvalue > ALPHA, pvalue
+    # Greedy: the biased argmax chain, beside requests without a bias (they decode as greedy requests alone).
+    chain = []
+    for i in range(3):
+        j = chain[0] * V_SMALL + chain[1] if i == 2 else (chain[0] * V_SMALL if i == 1 else 0)
+        chain.append(int(np.argmax(logits[j, n - 1 + i] + dense)))
+    plain = _sample(core, 2, LIVE_TOKENS, seed0=7, temperature=0.0).tolist()
+    mixed = {str(i): (PROMPT, SamplingParams(max_tokens=LIVE_TOKENS, seed=i, ignore_eos=True, temperature=0.0,
+                                             logit_bias=bias if i % 2 else None)) for i in range(4)}
+    outs = _run(core, mixed)
+    assert all(_tokens(outs[str(i)])[:3] == chain for i in (1, 3)), (chain, outs)
+    assert [_tokens(outs[str(i)]) for i in (0, 2)] == plain
+    assert chain != plain[0][:3]
+    with pytest.raises(ValueError, match="logit_bias"):
+        core.add_request(EngineRequest(request_id="bad", prompt_ids=PROMPT,
+                                       params=SamplingParams(max_tokens=2, logit_bias={V_SMALL: 1.0}), on_output=print))
 
 
 # ---- 3. logprobs ------------------------------------------------------------------------------------------------

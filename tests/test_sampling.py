@@ -96,6 +96,44 @@ def test_check_min_p():
             check_min_p(bad)
 
 
+def test_check_logit_bias():
+    from dspark_jax.sampling import LOGIT_BIAS_MAX, check_logit_bias
+
+    assert check_logit_bias(None, 10) == {} and check_logit_bias({}, 10) == {}
+    assert check_logit_bias({"7": -100, 2: 1.5, "0": 0}, 10) == {0: 0.0, 2: 1.5, 7: -100.0}  # sorted, floats
+    assert list(check_logit_bias({"7": 1, "2": 1}, 10)) == [2, 7]
+    many = {str(i): 1.0 for i in range(LOGIT_BIAS_MAX)}
+    assert len(check_logit_bias(many, LOGIT_BIAS_MAX)) == LOGIT_BIAS_MAX
+    for bad, what in [({str(LOGIT_BIAS_MAX + 1): 1}, "outside"), ({"-1": 1}, "outside"), ({"x": 1}, "token ids"),
+                      ({"1.5": 1}, "token ids"), ({True: 1}, "token ids"), ({"3": 100.5}, r"\[-100, 100\]"),
+                      ({"3": float("nan")}, r"\[-100, 100\]"), ({"3": "1"}, r"\[-100, 100\]"),
+                      ({"3": 1, 3: 2}, "twice"), ([(3, 1.0)], "object"),
+                      ({**many, str(LOGIT_BIAS_MAX): 1.0}, "at most")]:
+        with pytest.raises(ValueError, match=what):
+            check_logit_bias(bad, LOGIT_BIAS_MAX + 1)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 16), (3, 16)])
+def test_add_logit_bias_matches_numpy(shape):
+    """Each row's sparse bias lands on its own ids at every position; padding entries (bias 0) change nothing;
+    the same id twice in a row adds both; no bias anywhere returns the logits as they were."""
+    from dspark_jax.sampling import add_logit_bias
+
+    logits = np.random.default_rng(2).normal(size=shape).astype(np.float32)
+    ids = np.array([[5, 0, 0, 0], [0, 0, 0, 0], [15, 3, 3, 9]], np.int32)
+    bias = np.array([[-100.0, 0, 0, 0], [0, 0, 0, 0], [2.5, 1.0, 0.5, -0.25]], np.float32)
+    dense = np.zeros((3, shape[-1]), np.float32)
+    for b in range(3):
+        np.add.at(dense[b], ids[b], bias[b])
+    want = logits + (dense if len(shape) == 2 else dense[:, None, :])
+    got = np.asarray(jax.jit(add_logit_bias)(logits, ids, bias))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert dense[2, 3] == 1.5  # both entries for token 3
+    np.testing.assert_array_equal(np.asarray(jax.jit(add_logit_bias)(logits, ids, bias * 0)), logits)
+    with pytest.raises(ValueError, match="logit bias"):
+        add_logit_bias(jnp.asarray(logits), ids[:2], bias[:2])
+
+
 def test_filter_spot_values():
     logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4))
     probs = jit_filter(

@@ -309,6 +309,11 @@ def test_sampling_params_pass_through(client, engine):
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t3"}], max_tokens=2,
                                    extra_body={"min_p": 0.05})
     assert engine.added[-1].params.min_p == 0.05
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t3"}], max_tokens=2,
+                                   logit_bias={"9": -100, "3": 2.5})
+    assert engine.added[-1].params.logit_bias == {3: 2.5, 9: -100.0}
+    client.completions.create(model=MODEL, prompt="t1", max_tokens=2, logit_bias={})
+    assert engine.added[-1].params.logit_bias is None
 
 
 def test_n_and_seed(client, engine):
@@ -407,6 +412,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "min_p": 1.5}, 400, "min_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "min_p": -0.1}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "logit_bias": {"500": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "logit_bias": {"5": 100.5}}, 400, "logit_bias.5"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "logit_bias": {"5": "1"}}, 400, "logit_bias.5"),
+    ("/v1/completions", {"model": MODEL, "prompt": "t1", "logit_bias": [5]}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "t1"}],
+                              "logit_bias": {str(i): 1 for i in range(65)}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "n": 129}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": "t1", "stop": ["a"] * 65}, 400, "stop"),

@@ -98,6 +98,23 @@ def test_greedy_equality_under_every_policy(tiny_target, greedy_reference, disti
     assert _accepted(out) > 0, out.stats
 
 
+def test_greedy_equality_with_logit_bias(tiny_target, greedy_reference, distilled_drafter, model_type):
+    """OpenAI's logit_bias on the target's side (drafts are drawn without it): speculative greedy output equals
+    target-only greedy output under the same bias, which changes the output (a token it emits banned, one it
+    never emits favoured) and leaves drafts to accept."""
+    tokens, counts = np.unique(np.concatenate(greedy_reference), return_counts=True)
+    unused = next(t for t in range(tiny_target.config.vocab_size) if t not in tokens)
+    bias = {int(tokens[np.argsort(counts)[len(counts) // 2]]): -100.0, unused: 0.5}
+    kw = dict(max_new_tokens=24, ignore_eos=True, logit_bias=bias)
+    ref = dspark_jax.generate(tiny_target, _prompts(), **kw).tokens
+    assert ref != greedy_reference and not any(t in bias and bias[t] < 0 for row in ref for t in row)
+    out = dspark_jax.generate(tiny_target, _prompts(), distilled_drafter(model_type, "dspark", 7), **kw)
+    assert out.tokens == ref
+    assert _accepted(out) > 0, out.stats
+    with pytest.raises(ValueError, match="logit_bias"):
+        dspark_jax.generate(tiny_target, _prompts(), max_new_tokens=2, logit_bias={"x": 1})
+
+
 def test_greedy_equality_with_randomised_heads(tiny_target, greedy_reference, distilled_drafter, model_type):
     """The distilled DSpark drafter with noise added to its Markov and confidence heads: output unchanged,
     drafts still accepted (the noise is small against the trained bias)."""
