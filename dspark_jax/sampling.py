@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,27 +46,35 @@ def check_params(temperature, top_k, top_p, vocab: int | None = None) -> tuple[f
     Accepted: temperature a finite number ≥ 0; top_k an integer ≥ −1 (−1 and 0: off, as vLLM and OpenAI
     clients send); top_p in (0, 1]. min_p is checked by `check_min_p` (generate and the engine call both).
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
-            math.isfinite(temperature) and temperature >= 0.0):
+    t = _as_float(temperature)
+    if t is None or not (math.isfinite(t) and t >= 0.0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not (
-            math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+    if not 0.0 < (_as_float(top_p) or 0.0) <= 1.0:  # NaN and None fail too
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < -1:
         raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {top_k!r}")
-    t = float(temperature)
     k = int(top_k)
     if k <= 0 or (vocab is not None and k >= vocab):
         k = 0
     return (0.0 if t < GREEDY_BELOW else t), k, float(top_p)
 
 
+def _as_float(x) -> float | None:
+    """x as a float when it is a real number (not a bool), else None; an int too large for a float is inf."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def check_min_p(min_p) -> float:
     """min_p as a float in [0, 1] (0: off), or ValueError with a message meant for the caller."""
-    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not (
-            math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+    m = _as_float(min_p)
+    if m is None or not 0.0 <= m <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
-    return float(min_p)
+    return m
 
 
 LOGIT_BIAS_MAX = 64  # entries per request: the static width of the per-row bias arrays every program takes
@@ -83,7 +92,7 @@ def check_logit_bias(bias, vocab: int) -> dict[int, float]:
         raise ValueError(f"logit_bias may hold at most {LOGIT_BIAS_MAX} token ids, got {len(bias)}")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
+        if isinstance(key, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", key):
             tid = int(key)
         elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
             tid = int(key)
@@ -93,10 +102,11 @@ def check_logit_bias(bias, vocab: int) -> dict[int, float]:
             raise ValueError(f"logit_bias token id {tid} is outside the vocabulary [0, {vocab})")
         if tid in out:
             raise ValueError(f"logit_bias names token id {tid} twice")
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-                math.isfinite(value) and -100.0 <= value <= 100.0):
-            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tid}")
-        out[tid] = float(value)
+        v = _as_float(value)
+        if v is None or not -100.0 <= v <= 100.0:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {repr(value)[:32]} for token "
+                             f"{tid}")
+        out[tid] = v
     return {i: out[i] for i in sorted(out)}
 
 

@@ -91,7 +91,7 @@ def test_check_min_p():
     from dspark_jax.sampling import check_min_p
 
     assert check_min_p(0) == 0.0 and check_min_p(0.25) == 0.25 and check_min_p(1) == 1.0
-    for bad in (-0.1, 1.5, float("nan"), True, "0.1"):
+    for bad in (-0.1, 1.5, float("nan"), True, "0.1", 10**400):
         with pytest.raises(ValueError, match="min_p"):
             check_min_p(bad)
 
@@ -107,6 +107,7 @@ def test_check_logit_bias():
     for bad, what in [({str(LOGIT_BIAS_MAX + 1): 1}, "outside"), ({"-1": 1}, "outside"), ({"x": 1}, "token ids"),
                       ({"1.5": 1}, "token ids"), ({True: 1}, "token ids"), ({"3": 100.5}, r"\[-100, 100\]"),
                       ({"3": float("nan")}, r"\[-100, 100\]"), ({"3": "1"}, r"\[-100, 100\]"),
+                      ({"3": 10**400}, r"\[-100, 100\]"), ({"²": 1}, "token ids"), ({"+-3": 1}, "token ids"),
                       ({"3": 1, 3: 2}, "twice"), ([(3, 1.0)], "object"),
                       ({**many, str(LOGIT_BIAS_MAX): 1.0}, "at most")]:
         with pytest.raises(ValueError, match=what):
@@ -223,6 +224,7 @@ def test_check_params_is_the_one_validator_and_normalises():
     for bad, field in (((-0.1, 0, 1.0), "temperature"), ((float("nan"), 0, 1.0), "temperature"),
                        ((float("inf"), 0, 1.0), "temperature"), ((1.0, -2, 1.0), "top_k"),
                        ((1.0, 2.5, 1.0), "top_k"), ((1.0, True, 1.0), "top_k"), ((1.0, 0, 0.0), "top_p"),
-                       ((1.0, 0, 1.5), "top_p"), ((1.0, 0, float("nan")), "top_p"), (("1", 0, 1.0), "temperature")):
+                       ((1.0, 0, 1.5), "top_p"), ((1.0, 0, float("nan")), "top_p"), (("1", 0, 1.0), "temperature"),
+                       ((10**400, 0, 1.0), "temperature"), ((1.0, 0, 10**400), "top_p")):  # too big for a float
         with pytest.raises(ValueError, match=field):
             check_params(*bad)
