@@ -171,7 +171,7 @@ def calibrate_cli(args) -> None:
     rep_dir = args.report or out
     os.makedirs(rep_dir, exist_ok=True)
     np.savez_compressed(os.path.join(rep_dir, "rounds.npz"), z_fit=z_fit, m_fit=m_fit, z_test=z_test, m_test=m_test,
-             prompts_fit=prompts["fit"], prompts_held_out=prompts["held_out"])
+                        prompts_fit=prompts["fit"], prompts_held_out=prompts["held_out"])
     with open(os.path.join(rep_dir, "calibration.json"), "w") as f:
         json.dump(report, f, indent=2)
     reliability_diagram(z_test, m_test, temps, os.path.join(rep_dir, "reliability.png"), offsets=offsets,
