@@ -26,7 +26,7 @@ from dspark_jax.kernels import KernelConfig
 from dspark_jax.keys import row_key_data
 from dspark_jax.policy import Policy
 from dspark_jax.runner import ModelRunner, RunnerConfig, StepKind, bias_rows
-from dspark_jax.sampling import check_logit_bias, check_min_p, check_params
+from dspark_jax.sampling import TokenBias, check_logit_bias, check_min_p, check_min_tokens, check_params
 from dspark_jax.target import dtype_name, resolve_dtype
 from dspark_jax.verification import acceptance_counts
 
@@ -97,7 +97,7 @@ PACKED_PREFILL_ROWS = 256  # most prompts in one
 
 
 def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k, top_p, min_p,
-                  logit_bias) -> np.ndarray:
+                  bias) -> np.ndarray:
     """Prefills every row → the token sampled after each prompt (round 0 of the row's key), int32 [B].
 
     Prompts of at most the largest chunk bucket are packed back to back, many to a pass
@@ -116,13 +116,13 @@ def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k
         return part, runner.prefill_many(
             [prompts[b] for b in part], tables[part], keys[part], np.full(n, temperature, np.float32),
             np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), rows=pow2_at_least(n),
-            capacity=max(q, pow2_at_least(sum(lens))), max_q_len=q, min_p=min_p, logit_bias=[logit_bias] * n)
+            capacity=max(q, pow2_at_least(sum(lens))), max_q_len=q, min_p=min_p, bias=[bias[b] for b in part])
 
     for b, p in enumerate(prompts):
         if len(p) > chunk:
             for start in range(0, len(p), chunk):
                 anchors[b] = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
-                                            top_p, min_p=min_p, logit_bias=logit_bias)[0]
+                                            top_p, min_p=min_p, bias=bias[b])[0]
             continue
         if part and (total + len(p) > PACKED_PREFILL_TOKENS or len(part) == PACKED_PREFILL_ROWS):
             passes.append(pack(part))
@@ -139,7 +139,7 @@ def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k
 
 def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p, seed,
                    ignore_eos, on_tokens=None, kernels="auto", on_round=None, kv_dtype="auto",
-                   min_p: float = 0.0, logit_bias=None) -> GenerateResult:
+                   min_p: float = 0.0, logit_bias=None, min_tokens: int = 0) -> GenerateResult:
     """Target-only or speculative decoding of a batch through the serving engine's round
     (dspark_jax/runner.py: the same prefill, draft and verify programs over paged caches).
 
@@ -151,7 +151,10 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     B = len(prompts)
     check_params(temperature, top_k, top_p)  # a clear error before the runner compiles anything
     min_p = check_min_p(min_p)
-    logit_bias = check_logit_bias(logit_bias, target.config.vocab_size) or None
+    logit_bias = check_logit_bias(logit_bias, target.config.vocab_size)
+    min_tokens = check_min_tokens(min_tokens, max_new_tokens)
+    stop_ids = () if ignore_eos else target.eos_token_ids
+    bias = [TokenBias.of(logit_bias, stop_ids=stop_ids, prompt_len=len(p), min_tokens=min_tokens) for p in prompts]
     if drafter is None:
         policy, L = Policy(kind="none"), 0
     else:
@@ -180,7 +183,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
             on_tokens(b, taken)
 
     t0 = time.perf_counter()
-    anchors = _prefill_rows(runner, prompts, tables, keys, temperature, top_k, top_p, min_p, logit_bias)
+    anchors = _prefill_rows(runner, prompts, tables, keys, temperature, top_k, top_p, min_p, bias)
     for b in range(B):
         push(b, anchors[b : b + 1])
     t1 = time.perf_counter()
@@ -190,7 +193,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     batch.anchors[:], batch.block_tables[:], batch.keys[:] = anchors, tables, keys
     batch.temperature[:], batch.top_k[:], batch.top_p[:], batch.rounds[:] = temperature, top_k, top_p, 1
     batch.min_p[:] = min_p
-    batch.bias_ids[:], batch.bias[:] = bias_rows(len(batch.bias), [logit_bias] * B)
+    batch.bias_ids[:], batch.bias[:], batch.ban_until[:] = bias_rows(len(batch.bias), bias)
     dev = runner.device_batch(batch)
     dev = dev._replace(active=jnp.asarray(~track.done))
     capacity = pick(B * (policy.max_draft(L) + 1), runner.capacities)
@@ -233,7 +236,8 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
 def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, policy=None,
              on_tokens=None, kernels: str | KernelConfig = "auto", on_round=None,
-             kv_dtype: str = "auto", min_p: float = 0.0, logit_bias: dict | None = None) -> GenerateResult:
+             kv_dtype: str = "auto", min_p: float = 0.0, logit_bias: dict | None = None,
+             min_tokens: int = 0) -> GenerateResult:
     """Generates continuations of token-id prompts, target-only or speculatively with a drafter.
 
     Args:
@@ -247,6 +251,8 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
         logit_bias: OpenAI's {token id: bias in [-100, 100]} (at most `sampling.LOGIT_BIAS_MAX` entries), added
             to the target's raw logits before anything else (greedy takes the biased argmax); drafts, as for
             min_p, are drawn without it.
+        min_tokens: no EOS before this many tokens per prompt (vLLM's min_tokens; ≤ max_new_tokens): EOS is
+            banned from the target's distribution until then (unless ignore_eos), as a logit bias of −inf.
         seed: a fixed seed gives a fixed output; each row has its own stream.
         ignore_eos: keep going past EOS tokens.
         policy: speculative verification-length policy (dspark_jax/policy.py); default verifies the full block.
@@ -267,7 +273,8 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
     if any(not 0 <= t < V for p in prompts for t in p):
         raise ValueError(f"prompt token ids must be in [0, {V})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-              logit_bias=logit_bias, ignore_eos=ignore_eos, on_tokens=on_tokens, kernels=kernels)
+              logit_bias=logit_bias, min_tokens=min_tokens, ignore_eos=ignore_eos, on_tokens=on_tokens,
+              kernels=kernels)
     KernelConfig.parse(kernels)  # validates the modes
     compute = dtype_name(target.dtype)
     kv_dtype = resolve_dtype(kv_dtype, auto=compute)

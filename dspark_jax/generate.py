@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--logit-bias", default=None, metavar="JSON",
                    help='OpenAI\'s logit_bias: a JSON object of token ids to biases in [-100, 100], e.g. '
                         '\'{"2": -100}\' bans token 2 (default: none)')
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="no EOS before this many new tokens (vLLM's min_tokens; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed; a fixed seed gives a fixed output")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="parameter/activation dtype: auto (bfloat16 on GPU/TPU, float32 on CPU, where bf16 GEMMs "
@@ -53,10 +55,11 @@ def main(argv=None) -> int:
     try:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        from dspark_jax.sampling import check_min_p, check_params
+        from dspark_jax.sampling import check_min_p, check_min_tokens, check_params
 
         check_params(args.temperature, args.top_k, args.top_p)  # validate before the slow model load
         check_min_p(args.min_p)
+        check_min_tokens(args.min_tokens, args.max_tokens)
         try:
             logit_bias = None if args.logit_bias is None else json.loads(args.logit_bias)
         except json.JSONDecodeError as e:
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
 
         res = dspark_jax.generate(target, [prompt], drafter, max_new_tokens=args.max_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  min_p=args.min_p, logit_bias=logit_bias, seed=args.seed,
+                                  min_p=args.min_p, logit_bias=logit_bias, min_tokens=args.min_tokens, seed=args.seed,
                                   on_tokens=None if args.json else stream, kv_dtype=args.kv_dtype)
     except ValueError as e:  # ModelSpecError and bad parameters: one line, exit 2, no traceback
         print(f"error: {e}", file=sys.stderr)

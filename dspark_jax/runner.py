@@ -62,7 +62,7 @@ from dspark_jax.paged import (
     last_context_entry,
     target_forward_flat,
 )
-from dspark_jax.sampling import LOGIT_BIAS_MAX, add_logit_bias, all_greedy, filter_probs, sample
+from dspark_jax.sampling import LOGIT_BIAS_MAX, TokenBias, add_logit_bias, all_greedy, filter_probs, sample
 from dspark_jax.scheduling import survival, topk_fill
 from dspark_jax.target import DTYPES, dtype_name, resolve_dtype
 from dspark_jax.verification import VerifyResult, greedy_verify, verify
@@ -105,7 +105,8 @@ class StepBatch:
     top_p: np.ndarray  # f32 [Bb]
     min_p: np.ndarray  # f32 [Bb] (0: off; verification only, drafts are drawn without it)
     bias_ids: np.ndarray  # int32 [Bb, LOGIT_BIAS_MAX] logit bias token ids (verification only, as min_p)
-    bias: np.ndarray  # f32 [Bb, LOGIT_BIAS_MAX] their biases (0: padding)
+    bias: np.ndarray  # f32 [Bb, LOGIT_BIAS_MAX] their biases (0: padding; −inf: a ban while position < ban_until)
+    ban_until: np.ndarray  # int32 [Bb] the position from which banned ids (min_tokens) are allowed
     keys: np.ndarray  # uint32 [Bb, 2] request key data (dspark_jax/keys.py)
     rounds: np.ndarray  # int32 [Bb] the round being run
     logprobs: np.ndarray  # bool [Bb] whether the request wants logprobs
@@ -156,6 +157,7 @@ class DeviceBatch(NamedTuple):
     min_p: jax.Array  # f32 [Bb]
     bias_ids: jax.Array  # int32 [Bb, LOGIT_BIAS_MAX]
     bias: jax.Array  # f32 [Bb, LOGIT_BIAS_MAX]
+    ban_until: jax.Array  # int32 [Bb]
     keys: jax.Array  # uint32 [Bb, 2] request key data
     rounds: jax.Array  # int32 [Bb]
     logprobs: jax.Array  # bool [Bb]
@@ -269,6 +271,7 @@ class PrefillChunk(NamedTuple):
     min_p: jax.Array  # f32 [b]
     bias_ids: jax.Array  # int32 [b, LOGIT_BIAS_MAX]
     bias: jax.Array  # f32 [b, LOGIT_BIAS_MAX]
+    ban_until: jax.Array  # int32 [b]
     want_logprobs: jax.Array  # bool []: logprobs of the sampled tokens
     want_prompt_logprobs: jax.Array  # bool []: the LM head over every row, scoring `next_tokens`
 
@@ -304,7 +307,7 @@ def prefill_program(target_params, drafter_params, target_kv, drafter_kv, chunk:
     logits = target.head(h[jnp.clip(query_start[1:] - 1, 0, C - 1)])  # [b, V]: after each chunk's last token
     keys = round_keys(chunk.keys, jnp.zeros((b,), jnp.int32), VERIFY)
     temperature = jnp.where(chunk.counts > 0, chunk.temperature, 0.0)
-    biased = add_logit_bias(logits, chunk.bias_ids, chunk.bias)
+    biased = add_logit_bias(logits, chunk.bias_ids, chunk.bias, chunk.starts + chunk.counts, chunk.ban_until)
     tok = sample(keys, filter_probs(biased, temperature, chunk.top_k, chunk.top_p, chunk.min_p),
                  all_greedy(temperature))
     lp = _logprob_outputs(logits, tok, chunk.want_logprobs)
@@ -379,8 +382,10 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
     greedy = all_greedy(jnp.where(active, temp, 0.0))
     verify_keys = round_keys(batch.keys, batch.rounds, VERIFY)
     bias = jnp.where(active[:, None], batch.bias, 0.0)
+    predicts = n[:, None] + 1 + jnp.arange(L + 1)  # [Bb, L+1]: the position of the token each row predicts
     raw_first = flat_logits[rows[:, 0]]  # [Bb, V]: each request's row after its anchor
-    first = add_logit_bias(raw_first, batch.bias_ids, bias)  # what it samples from (logprobs stay the raw model's)
+    # What it samples from (logprobs stay the raw model's).
+    first = add_logit_bias(raw_first, batch.bias_ids, bias, predicts[:, 0], batch.ban_until)
     if L == 0:  # target only: sample the token after each anchor
         tok = _first_token(first, verify_keys, greedy, temp, top_k, top_p, min_p)
         emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
@@ -395,10 +400,11 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
     else:
         res = jax.lax.cond(
             greedy,
-            lambda: greedy_verify(_biased_argmax(flat_logits, rows, batch.bias_ids, bias), draft, lengths),
-            lambda: verify(verify_keys, filter_probs(add_logit_bias(flat_logits[rows], batch.bias_ids, bias), temp,
-                                                     top_k, top_p, min_p), draft,
-                           draft_vocab.to_vocab(q, nnx.merge(drafter_graph.value, drafter_params).cfg), lengths))
+            lambda: greedy_verify(_biased_argmax(flat_logits, rows, batch.bias_ids, bias, predicts, batch.ban_until),
+                                  draft, lengths),
+            lambda: verify(verify_keys, filter_probs(add_logit_bias(flat_logits[rows], batch.bias_ids, bias, predicts,
+                                                                    batch.ban_until), temp, top_k, top_p, min_p),
+                           draft, draft_vocab.to_vocab(q, nnx.merge(drafter_graph.value, drafter_params).cfg), lengths))
     if drafter_graph is not None:
         drafter_kv = drafter_write_flat(nnx.merge(drafter_graph.value, drafter_params), drafter_kv, feats, slot, pos,
                                         valid, tables, tokens=tokens, first=j == 0, embed=target_params["embed"][...])
@@ -407,11 +413,13 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
             _packed(res.emitted_tokens, res.num_emitted, res.num_accepted, lengths))
 
 
-def _biased_argmax(flat_logits, rows, ids, bias):
+def _biased_argmax(flat_logits, rows, ids, bias, predicts, ban_until):
     """Greedy tokens [Bb, L+1] at each request's rows of the pass's flat logits [T, V] under its logit bias: the
-    argmax over the flat rows, gathered, unless some row has a bias (then its [Bb, L+1, V] rows are gathered)."""
+    argmax over the flat rows, gathered, unless some row has a bias (then its [Bb, L+1, V] rows are gathered).
+    `predicts` [Bb, L+1], `ban_until` [Bb]: as `add_logit_bias` takes them."""
     return jax.lax.cond(jnp.any(bias != 0.0),
-                        lambda: jnp.argmax(add_logit_bias(flat_logits[rows], ids, bias), -1).astype(jnp.int32),
+                        lambda: jnp.argmax(add_logit_bias(flat_logits[rows], ids, bias, predicts, ban_until),
+                                           -1).astype(jnp.int32),
                         lambda: jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows])
 
 
@@ -422,16 +430,17 @@ def _packed(emitted, num_emitted, num_accepted, lengths):
 
 
 # ---- host side ------------------------------------------------------------------------------------------------
-def bias_rows(rows: int, per_request) -> tuple[np.ndarray, np.ndarray]:
-    """Rows 0..n−1 of the logit bias arrays (ids int32 [rows, LOGIT_BIAS_MAX], biases f32 [rows, ...]) from n ≤
-    rows requests' {token id: bias} (as `sampling.check_logit_bias` returns them, or None); padding is zero."""
+def bias_rows(rows: int, per_request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows 0..n−1 of the logit bias arrays (ids int32 [rows, LOGIT_BIAS_MAX], biases f32 [rows, ...], ban_until
+    int32 [rows]) from n ≤ rows requests' `sampling.TokenBias` (or None); padding is zero."""
     ids = np.zeros((rows, LOGIT_BIAS_MAX), np.int32)
     bias = np.zeros((rows, LOGIT_BIAS_MAX), np.float32)
-    for i, d in enumerate(per_request):
-        if d:
-            ids[i, : len(d)] = list(d)
-            bias[i, : len(d)] = list(d.values())
-    return ids, bias
+    until = np.zeros(rows, np.int32)
+    for i, tb in enumerate(per_request):
+        if tb:
+            got, values = tb.entries()
+            ids[i, : len(got)], bias[i, : len(got)], until[i] = got, values, tb.ban_until
+    return ids, bias, until
 
 
 class PrefillItem(NamedTuple):
@@ -450,7 +459,7 @@ class PrefillItem(NamedTuple):
     logprobs: bool = False
     prompt_targets: list[int] | None = None
     min_p: float = 0.0
-    logit_bias: dict | None = None  # {token id: bias} as `sampling.check_logit_bias` returns it
+    bias: TokenBias | None = None  # logit bias and min_tokens bans
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -603,11 +612,11 @@ class ModelRunner:
         return pick(len(counts), self.prefill_rows) * max(counts) <= 2 * self.chunk_sizes[-1]
 
     def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
-                logprobs: bool = False, prompt_targets=None, min_p: float = 0.0, logit_bias=None):
+                logprobs: bool = False, prompt_targets=None, min_p: float = 0.0, bias: TokenBias | None = None):
         """`prefill_chunks` of one request's chunk (`PrefillItem` has the arguments) → its (token, logprobs,
         prompt logprobs)."""
         return self.prefill_chunks([PrefillItem(tokens, start, table_row, key, temperature, top_k, top_p,
-                                                logprobs, prompt_targets, min_p, logit_bias)])[0]
+                                                logprobs, prompt_targets, min_p, bias)])[0]
 
     def prefill_chunks(self, items: list[PrefillItem]) -> list[tuple]:
         """Runs the chunks of len(items) ≤ `prefill_rows[-1]` requests, ≤ the largest chunk bucket of tokens
@@ -635,7 +644,7 @@ class ModelRunner:
             [it.tokens for it in items], [it.start for it in items],
             np.stack([np.asarray(it.table_row, np.int32) for it in items]), [it.key for it in items],
             [it.temperature for it in items], [it.top_k for it in items], [it.top_p for it in items],
-            min_p=[it.min_p for it in items], logit_bias=[it.logit_bias for it in items],
+            min_p=[it.min_p for it in items], bias=[it.bias for it in items],
             rows=pick(n, self.prefill_rows), capacity=C, max_q_len=C,
             logprobs=want_lp, next_tokens=targets)
         tok, lp, prompt_lp = jax.device_get((tok, lp if want_lp else None, None if targets is None else prompt_lp))
@@ -644,18 +653,18 @@ class ModelRunner:
                 for i, (it, at, yes) in enumerate(zip(items, offsets, scored, strict=False))]
 
     def prefill_many(self, prompts: list[list[int]], block_tables, keys, temperature, top_k, top_p, *, rows: int,
-                     capacity: int, max_q_len: int, min_p=0.0, logit_bias=None) -> jax.Array:
+                     capacity: int, max_q_len: int, min_p=0.0, bias=None) -> jax.Array:
         """Prefills whole prompts of len(prompts) ≤ `rows` requests in one packed pass of `capacity` flat rows
         (each prompt ≤ `max_q_len` tokens; rows, capacity and max_q_len are the caller's buckets) → the token
         sampled after each prompt, int32 [rows] on device (padding rows: ignore). Per-request arrays [n]:
-        block_tables [n, M], keys [n, 2], temperature, top_k, top_p, min_p (a scalar or [n]); logit_bias: None
-        or per request {token id: bias} as `sampling.check_logit_bias` returns it."""
+        block_tables [n, M], keys [n, 2], temperature, top_k, top_p, min_p (a scalar or [n]); bias: None or per
+        request a `sampling.TokenBias` (or None)."""
         return self._prefill_pass(prompts, [0] * len(prompts), block_tables, keys, temperature, top_k, top_p,
-                                  min_p=min_p, logit_bias=logit_bias, rows=rows, capacity=capacity,
+                                  min_p=min_p, bias=bias, rows=rows, capacity=capacity,
                                   max_q_len=max_q_len)[0]
 
     def _prefill_pass(self, chunks, starts, block_tables, keys, temperature, top_k, top_p, *, min_p=0.0,
-                      logit_bias=None, rows: int,
+                      bias=None, rows: int,
                       capacity: int, max_q_len: int, logprobs: bool = False, next_tokens=None):
         """Packs the chunks back to back into `capacity` rows, pads the requests to `rows`, uploads once and
         runs `prefill_program` → its (tokens [rows], logprobs, prompt logprobs) device outputs."""
@@ -675,7 +684,7 @@ class ModelRunner:
 
         tables = np.full((rows, self.max_pages), self.num_pages, np.int32)
         tables[:n] = block_tables
-        bias_ids, bias = bias_rows(rows, logit_bias or ())
+        bias_ids, bias_values, ban_until = bias_rows(rows, bias or ())
         chunk = self._put(PrefillChunk(
             tokens=tokens,
             next_tokens=np.zeros(capacity, np.int32) if next_tokens is None else np.array(next_tokens, np.int32),
@@ -683,7 +692,7 @@ class ModelRunner:
             keys=per_request(np.asarray(keys, np.uint32).reshape(n, 2), np.uint32),
             temperature=per_request(temperature, np.float32), top_k=per_request(top_k, np.int32),
             top_p=per_request(top_p, np.float32, 1.0), min_p=per_request(min_p, np.float32),
-            bias_ids=bias_ids, bias=bias, want_logprobs=np.bool_(logprobs),
+            bias_ids=bias_ids, bias=bias_values, ban_until=ban_until, want_logprobs=np.bool_(logprobs),
             want_prompt_logprobs=np.bool_(next_tokens is not None)))  # one upload for the pass
         s = self._static
         self.target_kv, self.drafter_kv, tok, lp, prompt_lp = prefill_program(
@@ -717,6 +726,7 @@ class ModelRunner:
             temperature=np.array(b.temperature, np.float32), top_k=np.array(b.top_k, np.int32),
             top_p=np.array(b.top_p, np.float32), min_p=np.array(b.min_p, np.float32),
             bias_ids=np.array(b.bias_ids, np.int32), bias=np.array(b.bias, np.float32),
+            ban_until=np.array(b.ban_until, np.int32),
             keys=np.array(b.keys, np.uint32), rounds=np.array(b.rounds, np.int32), logprobs=np.array(b.logprobs, bool)))
 
     def draft(self, b: StepBatch, dev: DeviceBatch | None = None):
@@ -822,7 +832,8 @@ class ModelRunner:
                          temperature=np.zeros(Bb, np.float32), top_k=np.zeros(Bb, np.int32),
                          top_p=np.ones(Bb, np.float32), min_p=np.zeros(Bb, np.float32),
                          bias_ids=np.zeros((Bb, LOGIT_BIAS_MAX), np.int32),
-                         bias=np.zeros((Bb, LOGIT_BIAS_MAX), np.float32), keys=np.zeros((Bb, 2), np.uint32),
+                         bias=np.zeros((Bb, LOGIT_BIAS_MAX), np.float32), ban_until=np.zeros(Bb, np.int32),
+                         keys=np.zeros((Bb, 2), np.uint32),
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 
     # ---- start-up ---------------------------------------------------------------------------------------------

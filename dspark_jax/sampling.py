@@ -13,6 +13,9 @@ Semantics (vLLM / Hugging Face / OpenAI):
   * logit_bias (OpenAI's: a sparse {token id: bias in [-100, 100]}, at most LOGIT_BIAS_MAX entries) is added to
     the raw logits before anything else (`add_logit_bias`), so greedy decoding takes the argmax of the biased
     logits. It applies to the target's side only: drafts are drawn without it, which stays lossless.
+  * min_tokens (vLLM's) bans the request's stop token ids (EOS and stop_token_ids) at −inf until min_tokens
+    tokens are out: banned ids travel in the same sparse arrays as the bias (`TokenBias`), applied only to the
+    tokens at positions before the request's `ban_until`.
   * temperature == 0 is greedy: a one-hot at argmax of the raw logits (first index on ties).
   * min_p == 0 is off; otherwise, first, keep every token whose temperature-scaled probability is >= min_p
     times the most likely token's (vLLM applies it before top-k and top-p, as here).
@@ -31,6 +34,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +81,7 @@ def check_min_p(min_p) -> float:
     return m
 
 
-LOGIT_BIAS_MAX = 64  # entries per request: the static width of the per-row bias arrays every program takes
+LOGIT_BIAS_MAX = 64  # entries per request (biases and min_tokens bans): the static width of the bias arrays
 
 
 def check_logit_bias(bias, vocab: int) -> dict[int, float]:
@@ -110,18 +114,68 @@ def check_logit_bias(bias, vocab: int) -> dict[int, float]:
     return {i: out[i] for i in sorted(out)}
 
 
-def add_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
-    """Raw logits f32 [B, V] or [B, T, V] plus each row's sparse logit bias at every position: ids int32 [B, K],
-    bias f32 [B, K] (padding entries carry bias 0, so any id will do). Skipped when no row has a bias."""
+def check_min_tokens(min_tokens, max_tokens: int) -> int:
+    """vLLM's min_tokens as an int in [0, max_tokens], or ValueError with a message meant for the caller."""
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, numbers.Integral) or min_tokens < 0:
+        raise ValueError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
+    return int(min_tokens)
+
+
+class TokenBias(NamedTuple):
+    """One request's sparse additions to the target's raw logits (`add_logit_bias`): OpenAI's `logit_bias`
+    {token id: bias} at every position, and `banned` ids at −inf for the tokens at positions < `ban_until`."""
+
+    logit_bias: dict[int, float] | None = None  # as `check_logit_bias` returns it
+    banned: tuple[int, ...] = ()
+    ban_until: int = 0
+
+    @classmethod
+    def of(cls, logit_bias=None, *, stop_ids=(), prompt_len: int = 0, min_tokens: int = 0) -> TokenBias | None:
+        """A request's bias (checked `logit_bias`) and, with min_tokens > 0, the ban of its stop ids (EOS and
+        stop_token_ids, as the caller stops on them) on its first min_tokens tokens: those at positions
+        prompt_len .. prompt_len + min_tokens − 1. None when there is nothing to add. Raises ValueError when the
+        two need more than LOGIT_BIAS_MAX entries together."""
+        banned = tuple(sorted({int(t) for t in stop_ids})) if min_tokens > 0 else ()
+        if len(logit_bias or ()) + len(banned) > LOGIT_BIAS_MAX:
+            raise ValueError(f"min_tokens bans the {len(banned)} stop token ids (EOS and stop_token_ids) through "
+                             f"the logit bias: with {len(logit_bias or ())} logit_bias entries that is more than "
+                             f"{LOGIT_BIAS_MAX} token ids")
+        if not (logit_bias or banned):
+            return None
+        return cls(logit_bias or None, banned, prompt_len + min_tokens if banned else 0)
+
+    def entries(self) -> tuple[list[int], list[float]]:
+        """(ids, values) of the sparse entries: the biases, then the bans (−inf)."""
+        bias = self.logit_bias or {}
+        return list(bias) + list(self.banned), list(bias.values()) + [-math.inf] * len(self.banned)
+
+
+def add_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array, pos: jax.Array | None = None,
+                   ban_until: jax.Array | None = None) -> jax.Array:
+    """Raw logits f32 [B, V] or [B, T, V] plus each row's sparse logit bias: ids int32 [B, K], bias f32 [B, K]
+    (padding entries carry bias 0, so any id will do; `TokenBias.entries` fills them). An entry of −inf is a
+    ban: with `pos` (the position of the token each logits row predicts, int32 [B] or [B, T]) and `ban_until`
+    int32 [B], it applies only where pos < ban_until; without them, everywhere. Skipped when nothing applies."""
     if ids.shape != bias.shape or ids.shape[0] != logits.shape[0]:
         raise ValueError(f"logit bias needs ids and biases [B, K] for B = {logits.shape[0]}, got {ids.shape=}, "
                          f"{bias.shape=}")
+    x = logits.astype(jnp.float32)
+    B = x.shape[0]
+    w = bias if x.ndim == 2 else bias[:, None, :]  # [B, K] or [B, 1, K]
+    if ban_until is not None:
+        lifted = (pos >= (ban_until if x.ndim == 2 else ban_until[:, None]))[..., None]  # [B, 1] or [B, T, 1]
+        w = jnp.where(jnp.isneginf(w) & lifted, 0.0, w)  # [B, K] or [B, T, K]
 
     def add(x):
-        dense = jnp.zeros((x.shape[0], x.shape[-1]), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(bias)
-        return x + (dense if x.ndim == 2 else dense[:, None, :])
+        if w.ndim == 2:
+            return x + jnp.zeros((B, x.shape[-1]), jnp.float32).at[jnp.arange(B)[:, None], ids].add(w)
+        T = w.shape[1]
+        at = (jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], ids[:, None, :])
+        return x + jnp.zeros((B, T, x.shape[-1]), jnp.float32).at[at].add(w)
 
-    return jax.lax.cond(jnp.any(bias != 0.0), add, lambda x: x, logits.astype(jnp.float32))
+    return jax.lax.cond(jnp.any(w != 0.0), add, lambda x: x, x)
 
 
 def filter_probs(

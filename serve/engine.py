@@ -35,13 +35,13 @@ import numpy as np
 
 from dspark_jax.keys import request_key_data
 from dspark_jax.runner import PrefillItem, bias_rows
-from dspark_jax.sampling import check_logit_bias, check_min_p, check_params
+from dspark_jax.sampling import TokenBias, check_logit_bias, check_min_p, check_min_tokens, check_params
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
 from serve.runner_api import Runner
 from serve.scheduler import Plan, RoundInfo, Scheduler, StepKind, make_scheduler
 from serve.sps_table import SpsTable
-from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, TokenLogprob
+from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, SamplingParams, TokenLogprob
 
 log = logging.getLogger("dspark_jax.serve")
 
@@ -74,7 +74,8 @@ class _Req:
     admitted_at: int = 0
     done: bool = False
     prompt_logprobs: list | None = None  # TokenLogprob per prompt position prefilled so far (when asked)
-    stops: frozenset | None = None  # token ids that end it (its stop ids, and EOS unless ignored; `_take`)
+    stops: frozenset = frozenset()  # token ids that end it (its stop ids, and EOS unless ignored; `_take`)
+    bias: TokenBias | None = None  # its logit bias and min_tokens bans
     stop_token: TokenLogprob | None = None  # the one that ended it (`_take`)
 
     @property
@@ -166,6 +167,8 @@ class EngineCore:
         temperature, top_k, _ = check_params(p.temperature, p.top_k, p.top_p, vocab=V)
         min_p = check_min_p(p.min_p)
         logit_bias = check_logit_bias(p.logit_bias, V) or None
+        min_tokens = check_min_tokens(p.min_tokens, p.max_tokens)
+        TokenBias.of(logit_bias, stop_ids=self._stops(p), min_tokens=min_tokens)  # raises when the two overflow
         if p.seed is not None:
             request_key_data(p.seed)  # raises for seeds outside 64 bits
         for name in ("logprobs", "prompt_logprobs"):
@@ -179,7 +182,10 @@ class EngineCore:
         request = self.validate(request)
         p = request.params
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
-        r = _Req(req=request, key=request_key_data(seed), prompt=list(request.prompt_ids))
+        stops = self._stops(p)
+        r = _Req(req=request, key=request_key_data(seed), prompt=list(request.prompt_ids), stops=stops,
+                 bias=TokenBias.of(p.logit_bias, stop_ids=stops, prompt_len=len(request.prompt_ids),
+                                   min_tokens=p.min_tokens))
         with self._lock:
             if request.request_id in self.by_id:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -228,12 +234,14 @@ class EngineCore:
             self.by_id.pop(r.rid, None)
         self._emit(r, tokens, reason, error, logprobs, status, prompt_logprobs, r.stop_token)
 
+    def _stops(self, p: SamplingParams) -> frozenset:
+        """The token ids that end a request: its stop ids, and EOS unless it ignores EOS."""
+        return frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos))
+
     def _take(self, r: _Req, tokens: list[int], logprobs=None) -> tuple[list[int], list | None, str | None]:
         """Appends emitted tokens up to a stop; returns (tokens to stream, their logprobs, finish reason). A stop
         token ends them and is kept in `r.stop_token` (RequestOutput.stop_token), not among the tokens."""
         p = r.req.params
-        if r.stops is None:
-            r.stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos))
         stops = r.stops
         room = min(p.max_tokens, self.max_model_len - len(r.req.prompt_ids)) - len(r.generated)
         if len(tokens) < room and stops.isdisjoint(tokens):  # the common case: no stop, no limit reached
@@ -303,7 +311,7 @@ class EngineCore:
         targets = r.prompt[start + 1 : start + len(chunk) + 1] if p.prompt_logprobs is not None and fresh else None
         return PrefillItem(chunk, start, self.pages.table_row(r.rid, self.pages.num_pages), r.key, p.temperature,
                            p.top_k, p.top_p, logprobs=p.logprobs is not None and fresh, prompt_targets=targets,
-                           min_p=p.min_p, logit_bias=p.logit_bias)
+                           min_p=p.min_p, bias=r.bias)
 
     def _prefill(self) -> None:
         """One prefill pass over `_prefill_batch`. A request's own values can fail the host side of a pass
@@ -402,8 +410,8 @@ class EngineCore:
         b.top_k[:R] = [p.top_k for p in params]
         b.top_p[:R] = [p.top_p for p in params]
         b.min_p[:R] = [p.min_p for p in params]
-        if any(p.logit_bias for p in params):
-            b.bias_ids[:], b.bias[:] = bias_rows(len(b.bias), [p.logit_bias for p in params])
+        if any(r.bias for r in running):
+            b.bias_ids[:], b.bias[:], b.ban_until[:] = bias_rows(len(b.bias), [r.bias for r in running])
         b.keys[:R] = np.stack([r.key for r in running])
         b.rounds[:R] = [r.rounds + 1 for r in running]
         b.logprobs[:R] = [p.logprobs is not None for p in params]

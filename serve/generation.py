@@ -163,7 +163,8 @@ class Generation:
         self.choices = []
         for i in range(len(self.params)):
             prompt = self.prompts[i // n]
-            text = ChoiceText(decode, stop, context=prompt.ids if prompt.echo is not None else ())
+            text = ChoiceText(decode, stop, context=prompt.ids if prompt.echo is not None else (),
+                              min_tokens=self.params[i].min_tokens)
             self.choices.append(_Choice(i, f"{base_id}-{i}", text, prompt))
 
     def submit(self) -> None:

@@ -266,9 +266,13 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[..., lis
             logit_bias = check_logit_bias(req.logit_bias, vocab) or None
         except ValueError as e:
             raise APIError(str(e), param="logit_bias", code="invalid_value") from None
+        min_tokens = req.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise APIError(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})",
+                           param="min_tokens", code="invalid_value")
         k = req.logprobs_k()
         base = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              min_p=req.min_p or 0.0, logit_bias=logit_bias, seed=req.seed,
+                              min_p=req.min_p or 0.0, logit_bias=logit_bias, min_tokens=min_tokens, seed=req.seed,
                               stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), logprobs=k,
                               prompt_logprobs=k if not chat and req.echo else None)
         return [dataclasses.replace(base, seed=None if req.seed is None else _wrap_int64(req.seed + i))

@@ -15,7 +15,8 @@ is. For byte-level BPE the text equals `decode(all ids)` exactly.
 Two things are held back from the client until more tokens arrive or the choice ends:
   * an incomplete UTF-8 character (above);
   * a suffix that could be the start of a stop string (sending it would leak text that a stop truncates).
-Stop strings are searched only in the new text plus the last `len(longest stop) - 1` characters before it.
+Stop strings are searched only in the new text plus the last `len(longest stop) - 1` characters before it, and
+with `min_tokens` (vLLM's) only where they end past the text of the first min_tokens tokens.
 When one appears, the text is cut right before it, `stopped` becomes True and the caller must abort the engine
 request (the engine knows stop token ids only, not stop strings).
 
@@ -42,13 +43,16 @@ class ChoiceText:
       decode: token ids -> text (special tokens skipped).
       stop: stop strings (non-empty), any number.
       context: ids the text continues (their last MAX_PENDING are decoded with the first piece, not part of it).
+      min_tokens: a stop string counts only where it ends after the text of the first min_tokens tokens.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), context: Sequence[int] = ()):
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), context: Sequence[int] = (),
+                 min_tokens: int = 0):
         self._decode = decode
         self._context = [int(t) for t in context[len(context) - MAX_PENDING :]] if len(context) else []
         self._stop = tuple(stop)
         self._max_stop = max((len(s) for s in self._stop), default=0)
+        self._min_tokens = min_tokens
         self.ids: list[int] = []  # every generated id received (usage counts these)
         self.ends: list[int] = []  # text length after token i (cut at a stop)
         self.length = 0  # characters of text
@@ -91,7 +95,10 @@ class ChoiceText:
         if self._stop and added:
             window = self._tail + added
             base = self.length - len(window)  # where window[0] is in the text
-            hits = [i for i in (window.find(s) for s in self._stop) if i >= 0]
+            hits = []
+            if len(self.ids) > self._min_tokens:
+                floor = self.ends[self._min_tokens - 1] if self._min_tokens else 0  # a stop must end past it
+                hits = [i for i in (window.find(s, max(0, floor - base - len(s) + 1)) for s in self._stop) if i >= 0]
             if hits:
                 self._cut(max(base + min(hits), self.sent))
                 return self._take(self.length)

@@ -28,6 +28,9 @@ class SamplingParams:
     # OpenAI's {token id: bias in [-100, 100]} (≤ sampling.LOGIT_BIAS_MAX entries; the engine normalises it to
     # int ids), added to the target's raw logits; drafts are drawn without it, as for min_p.
     logit_bias: dict | None = None
+    # vLLM's min_tokens (≤ max_tokens): the request's stop ids (EOS unless ignore_eos, and stop_token_ids) are
+    # banned from the target's distribution until this many tokens are out; the server defers stop strings.
+    min_tokens: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

@@ -167,7 +167,7 @@ def test_full_size_qwen3_8b_with_dspark_drafter_eval_shape():
     i32, f32 = (lambda *s: sds(s, jnp.int32)), (lambda *s: sds(s, jnp.float32))
     batch = DeviceBatch(active=sds((B,), bool), lengths=i32(B), anchors=i32(B), block_tables=i32(B, M),
                         temperature=f32(B), top_k=i32(B), top_p=f32(B), min_p=f32(B), bias_ids=i32(B, 64),
-                        bias=f32(B, 64), keys=sds((B, 2), jnp.uint32),
+                        bias=f32(B, 64), ban_until=i32(B), keys=sds((B, 2), jnp.uint32),
                         rounds=i32(B), logprobs=sds((B,), bool))
     draft, q, conf = jax.eval_shape(
         lambda tp_, dp_, dkv_, b: draft_program(tp_, dp_, None, dkv_, b.block_tables, b.lengths, b.anchors,

@@ -177,7 +177,7 @@ class MockRunner:
                          temperature=np.zeros(Bb, np.float32), top_k=np.zeros(Bb, np.int32),
                          top_p=np.ones(Bb, np.float32), min_p=np.zeros(Bb, np.float32),
                          bias_ids=np.zeros((Bb, LOGIT_BIAS_MAX), np.int32),
-                         bias=np.zeros((Bb, LOGIT_BIAS_MAX), np.float32),
+                         bias=np.zeros((Bb, LOGIT_BIAS_MAX), np.float32), ban_until=np.zeros(Bb, np.int32),
                          keys=np.zeros((Bb, 2), np.uint32),
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
 

@@ -278,6 +278,52 @@ def test_logit_bias_follows_the_biased_target(models, runner):
                                        params=SamplingParams(max_tokens=2, logit_bias={V_SMALL: 1.0}), on_output=print))
 
 
+def test_min_tokens_follows_the_banned_then_free_target(models, runner):
+    """vLLM's min_tokens = 2 with a stop token id s, at T = 1: the first two tokens follow the target with s
+    banned (prefill's token and the first verified row), the third the unbanned target, where s ends the request
+    (reported as its stop token). The ban ends inside a verification block, at each request's own position.
+    Greedy: min_tokens 3 holds the stop off for three tokens of the banned argmax chain, beside a request
+    without min_tokens that stops at once."""
+    _, _, logits = models
+    core = _core(runner, "dspark")
+    n = len(PROMPT)
+    s = int(np.argmax(logits[0, n - 1]))  # the likeliest first token (the drafter proposes it most)
+    ban = np.zeros(V_SMALL)
+    ban[s] = -np.inf
+    joint = np.zeros((V_SMALL,) * 3)
+    for j, (a, b) in enumerate(itertools.product(range(V_SMALL), repeat=2)):
+        p = [_filtered_np(logits[j, n - 1 + i], 1.0, 0, 1.0, bias=ban if i < 2 else None) for i in range(3)]
+        joint[a, b] = p[0][a] * p[1][b] * p[2]
+    N = 1000
+    reqs = {str(i): (PROMPT, SamplingParams(max_tokens=LIVE_TOKENS, seed=50_000 + i, ignore_eos=True,
+                                            temperature=1.0, min_tokens=2, stop_token_ids=(s,))) for i in range(N)}
+    outs = _run(core, reqs)
+    firsts = []
+    for i in range(N):
+        toks, last = _tokens(outs[str(i)]), outs[str(i)][-1]
+        assert len(toks) >= 2 and s not in toks, toks
+        if len(toks) == 2:
+            assert last.finish_reason == "stop" and last.stop_token.token_id == s
+        firsts.append((toks + [s])[:3])
+    firsts = np.array(firsts)
+    assert (firsts[:, 2] == s).sum() > 50  # the stop is allowed, and taken, at the third token
+    pvalue, outside = _chi2(firsts, joint)
+    assert outside == 0 and pvalue > ALPHA, pvalue
+    # Greedy: the banned argmax chain for three tokens, then s (still the argmax there) stops it.
+    chain = []
+    for i in range(3):
+        j = chain[0] * V_SMALL + chain[1] if i == 2 else (chain[0] * V_SMALL if i == 1 else 0)
+        chain.append(int(np.argmax(logits[j, n - 1 + i] + ban)))
+    greedy = dict(max_tokens=LIVE_TOKENS, ignore_eos=True, temperature=0.0, stop_token_ids=(s,))
+    outs = _run(core, {"free": (PROMPT, SamplingParams(**greedy)),
+                       "held": (PROMPT, SamplingParams(**greedy, min_tokens=3))})
+    assert _tokens(outs["free"]) == [] and outs["free"][-1].stop_token.token_id == s
+    assert _tokens(outs["held"])[:3] == chain and s not in _tokens(outs["held"])
+    with pytest.raises(ValueError, match="min_tokens"):
+        core.add_request(EngineRequest(request_id="bad", prompt_ids=PROMPT,
+                                       params=SamplingParams(max_tokens=2, min_tokens=3), on_output=print))
+
+
 # ---- 3. logprobs ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheduler", ["fixed:3", "dspark"])
 def test_logprobs_equal_the_targets_log_softmax(models, runner, scheduler):

@@ -135,6 +135,51 @@ def test_add_logit_bias_matches_numpy(shape):
         add_logit_bias(jnp.asarray(logits), ids[:2], bias[:2])
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 12), (2, 12)])
+def test_min_tokens_bans_apply_before_ban_until(shape):
+    """A ban (−inf entry) applies at the positions before its row's ban_until and nowhere after; a bias beside
+    it on the same id applies everywhere; a row with bans over and no bias is returned as it was."""
+    from dspark_jax.sampling import add_logit_bias
+
+    logits = np.random.default_rng(3).normal(size=shape).astype(np.float32)
+    ids = np.array([[4, 4, 7, 0], [2, 0, 0, 0]], np.int32)
+    bias = np.array([[1.5, -np.inf, -np.inf, 0], [-np.inf, 0, 0, 0]], np.float32)
+    until = np.array([12, 5], np.int32)
+    pos = np.array([[10, 11, 12], [5, 6, 7]], np.int32)[:, : shape[1] if len(shape) == 3 else 1]
+    if len(shape) == 2:
+        pos = pos[:, 0]
+    got = np.asarray(jax.jit(add_logit_bias)(logits, ids, bias, pos, until))
+    want = logits.copy()
+    want[0, ..., 4] += 1.5
+    for t, p in enumerate(np.atleast_1d(pos[0])):
+        if p < 12:
+            idx = (0, t) if len(shape) == 3 else (0,)
+            want[idx + (4,)] = want[idx + (7,)] = -np.inf
+    np.testing.assert_array_equal(got, want)
+    assert np.isneginf(got[0, ..., 7]).any() and not np.isneginf(got[1]).any()  # row 1: positions ≥ 5 only
+    same = np.asarray(jax.jit(add_logit_bias)(logits[1:], ids[1:], bias[1:], pos[1:], until[1:]))
+    np.testing.assert_array_equal(same, logits[1:])
+
+
+def test_token_bias_entries_and_limits():
+    from dspark_jax.sampling import LOGIT_BIAS_MAX, TokenBias, check_min_tokens
+
+    assert TokenBias.of({}, stop_ids=(2, 3)) is None  # min_tokens 0: no ban
+    assert TokenBias.of(None, stop_ids=(), min_tokens=4) is None  # nothing to ban (ignore_eos, no stop ids)
+    tb = TokenBias.of({5: 1.0}, stop_ids=[3, 2, 3], prompt_len=10, min_tokens=4)
+    assert tb == TokenBias({5: 1.0}, (2, 3), 14)
+    assert tb.entries() == ([5, 2, 3], [1.0, -np.inf, -np.inf])
+    assert TokenBias.of({5: 1.0}) == TokenBias({5: 1.0}, (), 0)
+    many = {i: 1.0 for i in range(LOGIT_BIAS_MAX - 1)}
+    assert len(TokenBias.of(many, stop_ids=(100,), min_tokens=1).entries()[0]) == LOGIT_BIAS_MAX
+    with pytest.raises(ValueError, match="min_tokens bans the 2 stop token ids"):
+        TokenBias.of(many, stop_ids=(100, 101), min_tokens=1)
+    assert check_min_tokens(3, 3) == 3 and check_min_tokens(0, 0) == 0
+    for bad, what in [(-1, ">= 0"), (1.0, ">= 0"), (True, ">= 0"), (5, "at most max_tokens")]:
+        with pytest.raises(ValueError, match=what):
+            check_min_tokens(bad, 4)
+
+
 def test_filter_spot_values():
     logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4))
     probs = jit_filter(

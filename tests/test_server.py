@@ -298,7 +298,7 @@ def test_chat_default_max_tokens_fills_context(client, engine):
     assert r.usage.completion_tokens == engine.max_model_len - 4 and r.choices[0].finish_reason == "length"
 
 
-def test_sampling_params_pass_through(client, engine):
+def test_sampling_params_pass_through(client, engine, http):
     client.completions.create(model=MODEL, prompt="t1", max_tokens=3, temperature=0.5, top_p=0.9, seed=11,
                               extra_body={"top_k": -1, "ignore_eos": True, "stop_token_ids": [7], "user": "me"})
     p = engine.added[-1].params
@@ -314,6 +314,15 @@ def test_sampling_params_pass_through(client, engine):
     assert engine.added[-1].params.logit_bias == {3: 2.5, 9: -100.0}
     client.completions.create(model=MODEL, prompt="t1", max_tokens=2, logit_bias={})
     assert engine.added[-1].params.logit_bias is None
+    client.completions.create(model=MODEL, prompt="t1", max_tokens=3, extra_body={"min_tokens": 3})
+    assert engine.added[-1].params.min_tokens == 3
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t3"}],
+                                   extra_body={"min_tokens": 7})  # max_tokens: the context's room
+    assert engine.added[-1].params.min_tokens == 7
+    for path, body in (("/v1/completions", {"prompt": "t1"}),  # max_tokens 16 by default
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t3"}], "max_tokens": 4})):
+        r = http.post(path, json={"model": MODEL, **body, "min_tokens": 17})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
 
 
 def test_n_and_seed(client, engine):
@@ -338,6 +347,14 @@ def test_stop_string_truncates_and_aborts(client, engine):
     assert r.choices[0].text == "t10 t73 " and r.choices[0].finish_reason == "stop"
     assert engine.added[-1].request_id in engine.aborted  # the engine stopped generating for it
     assert r.usage.completion_tokens == 3  # the report that held the stop: one report of per_report tokens
+
+
+def test_stop_string_waits_for_min_tokens(client, engine):
+    """vLLM's min_tokens: a stop string ending in the text of the first min_tokens tokens does not count."""
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=200, stop=["t14"],
+                                  extra_body={"min_tokens": 3})
+    assert r.choices[0].text == "t10 t73 t14 t1 t10 t73 " and r.choices[0].finish_reason == "stop"
+    assert engine.added[-1].request_id in engine.aborted
 
 
 def test_stop_string_streaming_holds_back_prefixes(client, engine):
@@ -551,6 +568,14 @@ def test_choice_text_holds_back_partial_characters_and_stop_prefixes():
     t = ChoiceText(decode, stop=["xyz", "b"])
     assert t.add(b"axyzb") == "a" and t.stopped and t.text == "a" and len(t.ids) == 5
     assert t.add(b"more") == ""
+    # min_tokens: only a stop that ends past the first min_tokens tokens' text counts (one may begin inside it).
+    t = ChoiceText(decode, stop=["b"], min_tokens=2)
+    assert t.add(b"ab") == "ab" and not t.stopped
+    assert t.add(b"cbd") == "c" and t.stopped and t.text == "abc"
+    t = ChoiceText(decode, stop=["xy"], min_tokens=2)
+    assert t.add(b"ax") == "a" and t.add(b"y") == "" and t.stopped and t.text == "a"
+    t = ChoiceText(decode, stop=["b"], min_tokens=3)
+    assert t.add(b"abab") == "aba" and t.text == "aba"  # the first b (token 2) is inside, the second past
 
 
 def test_cli_help_and_bad_flags(capsys):

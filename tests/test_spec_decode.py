@@ -115,6 +115,23 @@ def test_greedy_equality_with_logit_bias(tiny_target, greedy_reference, distille
         dspark_jax.generate(tiny_target, _prompts(), max_new_tokens=2, logit_bias={"x": 1})
 
 
+def test_greedy_equality_with_min_tokens(tiny_target, greedy_reference, distilled_drafter, model_type):
+    """vLLM's min_tokens: EOS, made the argmax everywhere by a +100 logit bias, is banned until min_tokens
+    tokens are out and then ends every row: target-only and speculative greedy rows are the unbiased greedy
+    tokens up to min_tokens, then EOS (the ban ends inside a verification block)."""
+    eos, m = tiny_target.eos_token_ids[0], 11
+    assert not any(eos in row[:m] for row in greedy_reference)
+    kw = dict(max_new_tokens=24, logit_bias={eos: 100.0})
+    assert dspark_jax.generate(tiny_target, _prompts(), **kw).tokens == [[eos]] * len(_prompts())
+    ref = dspark_jax.generate(tiny_target, _prompts(), min_tokens=m, **kw).tokens
+    assert ref == [row[:m] + [eos] for row in greedy_reference]
+    out = dspark_jax.generate(tiny_target, _prompts(), distilled_drafter(model_type, "dspark", 7), min_tokens=m, **kw)
+    assert out.tokens == ref
+    assert _accepted(out) > 0, out.stats
+    with pytest.raises(ValueError, match="min_tokens"):
+        dspark_jax.generate(tiny_target, _prompts(), max_new_tokens=2, min_tokens=3)
+
+
 def test_greedy_equality_with_randomised_heads(tiny_target, greedy_reference, distilled_drafter, model_type):
     """The distilled DSpark drafter with noise added to its Markov and confidence heads: output unchanged,
     drafts still accepted (the noise is small against the trained bias)."""
