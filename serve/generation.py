@@ -149,12 +149,13 @@ class Generation:
 
     def __init__(self, engine: EngineLike, prompts: Sequence[Prompt], params: Sequence[SamplingParams], *,
                  base_id: str, decode: Callable[[Sequence[int]], str], stop: Sequence[str], admission: Admission,
-                 timeout_s: float):
+                 timeout_s: float, include_stop: bool = False):
         self.engine, self.prompts, self.params = engine, list(prompts), list(params)
         if not self.prompts or len(self.params) % len(self.prompts):
             raise ValueError(f"{len(self.params)} choices for {len(self.prompts)} prompts")
         n = len(self.params) // len(self.prompts)
         self.admission = admission
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.loop = asyncio.get_running_loop()
         self.deadline, self.timeout_s = self.loop.time() + timeout_s, timeout_s
         self._next_check = self.loop.time() + POLL_S
@@ -164,7 +165,7 @@ class Generation:
         for i in range(len(self.params)):
             prompt = self.prompts[i // n]
             text = ChoiceText(decode, stop, context=prompt.ids if prompt.echo is not None else (),
-                              min_tokens=self.params[i].min_tokens)
+                              min_tokens=self.params[i].min_tokens, include_stop=include_stop)
             self.choices.append(_Choice(i, f"{base_id}-{i}", text, prompt))
 
     def submit(self) -> None:
@@ -257,8 +258,12 @@ class Generation:
                 yield Event(index, "", c.finish_reason, [])
                 continue
             echo, echoed = self._echo(c, out) if first_echo else ("", [])
-            c.logprobs.extend(out.logprobs or ())
-            delta = echo + c.text.add(out.token_ids, final=final)
+            tokens, logprobs = out.token_ids, out.logprobs or ()
+            if self.include_stop and out.stop_token is not None:  # the stop token is the text's last token
+                tokens, logprobs = tokens + (out.stop_token.token_id,), (*logprobs, out.stop_token)
+                out = dataclasses.replace(out, stop_token=None)
+            c.logprobs.extend(logprobs if self.params[index].logprobs is not None else ())
+            delta = echo + c.text.add(tokens, final=final)
             if c.text.stopped:
                 c.finish_reason = "stop"
                 if not c.engine_done:

@@ -13,14 +13,15 @@ Validation policy: every field is checked here, at the protocol boundary, before
     presence/frequency_penalty 0, repetition_penalty 1, best_of = n, suffix empty,
     response_format {"type": "text"}, tools/functions absent, tool_choice/function_call "none",
     parallel_tool_calls absent; and vLLM's extras at vLLM's defaults: skip_special_tokens and
-    spaces_between_special_tokens true, include_stop_str_in_output, use_beam_search,
+    spaces_between_special_tokens true, use_beam_search,
     stream_options.continuous_usage_stats false, and for chat continue_final_message, echo and
     add_special_tokens false.
   * vLLM's extras this server implements: completions `add_special_tokens` (default true: a string prompt gets the
     tokenizer's BOS, as vLLM encodes it), chat `add_generation_prompt` (default true) and `chat_template_kwargs`
     (more template variables, e.g. Qwen3's enable_thinking), top_k, min_p, stop_token_ids, ignore_eos, min_tokens
     (≤ max_tokens: the stop token ids, EOS unless ignore_eos, are banned and stop strings not looked for until
-    min_tokens tokens are out).
+    min_tokens tokens are out), include_stop_str_in_output (the text ends after the stop string, or with the stop
+    token id's text: that token is then one of the choice's tokens, in its logprobs with its text).
   * logit_bias (OpenAI's): at most LOGIT_BIAS_MAX token ids (as decimal strings, OpenAI's keys; in [0, vocab),
     checked by the server) mapped to biases in [-100, 100], added to the target's raw logits.
   * Fields that never change the output are accepted and ignored: user, metadata, store, service_tier,
@@ -133,12 +134,11 @@ class _Request(_Strict):
         Field(None, gt=0.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=LOGIT_BIAS_MAX)
     min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)  # vLLM's; at most max_tokens (checked by the server)
+    include_stop_str_in_output: bool | None = None  # vLLM's: the stop string (or stop token's text) ends the text
     # vLLM's sampling extras, known but unimplemented: accepted at the value vLLM defaults to (UNSUPPORTED).
     skip_special_tokens: Annotated[bool | None, _only({"type": "boolean", "enum": [True]}, "always true")] = None
     spaces_between_special_tokens: Annotated[bool | None, _only({"type": "boolean", "enum": [True]},
                                                                 "always true")] = None
-    include_stop_str_in_output: Annotated[bool | None, _only({"type": "boolean", "enum": [False]},
-                                                             "not implemented")] = None
     use_beam_search: Annotated[bool | None, _only({"type": "boolean", "enum": [False]}, "not implemented")] = None
     # Harmless: never change the output.
     user: str | None = Field(None, max_length=256)
@@ -213,7 +213,6 @@ UNSUPPORTED = {
     "parallel_tool_calls": (lambda v, r: False, "tool calling is not implemented"),
     "skip_special_tokens": (lambda v, r: v, "special tokens are always left out of the text; only true is accepted"),
     "spaces_between_special_tokens": (lambda v, r: v, "only true is accepted"),
-    "include_stop_str_in_output": (lambda v, r: not v, "the text ends before a stop string; only false is accepted"),
     "use_beam_search": (lambda v, r: not v, "beam search is not implemented; only false is accepted"),
     "continue_final_message": (lambda v, r: not v, "continuing the final message is not implemented; only false "
                                "is accepted"),

@@ -303,6 +303,7 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[..., lis
             check_prompt_logprobs(prompts, params)
             base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             gen = Generation(engine, prompts, params, base_id=base_id, decode=tok.decode, stop=req.stop_strings(),
+                             include_stop=bool(req.include_stop_str_in_output),
                              admission=admission, timeout_s=request_timeout_s)
             gen.submit()
             head = {"id": base_id, "created": int(time.time()), "model": engine.model_name}

@@ -44,15 +44,18 @@ class ChoiceText:
       stop: stop strings (non-empty), any number.
       context: ids the text continues (their last MAX_PENDING are decoded with the first piece, not part of it).
       min_tokens: a stop string counts only where it ends after the text of the first min_tokens tokens.
+      include_stop: the text ends after the stop string instead of before it (vLLM's include_stop_str_in_output;
+        nothing is then held back for stop prefixes).
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), context: Sequence[int] = (),
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, include_stop: bool = False):
         self._decode = decode
         self._context = [int(t) for t in context[len(context) - MAX_PENDING :]] if len(context) else []
         self._stop = tuple(stop)
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self._min_tokens = min_tokens
+        self._include_stop = include_stop
         self.ids: list[int] = []  # every generated id received (usage counts these)
         self.ends: list[int] = []  # text length after token i (cut at a stop)
         self.length = 0  # characters of text
@@ -98,8 +101,9 @@ class ChoiceText:
             hits = []
             if len(self.ids) > self._min_tokens:
                 floor = self.ends[self._min_tokens - 1] if self._min_tokens else 0  # a stop must end past it
-                hits = [i for i in (window.find(s, max(0, floor - base - len(s) + 1)) for s in self._stop) if i >= 0]
-            if hits:
+                hits = [i + (len(s) if self._include_stop else 0)
+                        for s in self._stop if (i := window.find(s, max(0, floor - base - len(s) + 1))) >= 0]
+            if hits:  # the earliest cut: before the first stop to begin, or after the first to end
                 self._cut(max(base + min(hits), self.sent))
                 return self._take(self.length)
             self._tail = window[len(window) - self._max_stop + 1 :] if self._max_stop > 1 else ""
@@ -133,6 +137,8 @@ class ChoiceText:
     def _safe_end(self) -> int:
         """The end of the text less its longest suffix that is a proper prefix of a stop string."""
         tail, end = self._tail, self.length
+        if self._include_stop:  # a stop string is sent either way
+            return end
         for k in range(min(self._max_stop - 1, len(tail)), 0, -1):
             if any(s.startswith(tail[len(tail) - k :]) for s in self._stop):
                 return end - k

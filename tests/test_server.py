@@ -357,6 +357,24 @@ def test_stop_string_waits_for_min_tokens(client, engine):
     assert engine.added[-1].request_id in engine.aborted
 
 
+def test_include_stop_str_in_output(client, http):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string, or with the stop token id's text
+    (then one of the choice's tokens: usage counts it once, logprobs list it with its text)."""
+    extra = {"include_stop_str_in_output": True}
+    r = client.completions.create(model=MODEL, prompt="t1", max_tokens=200, stop=["t14", "zzz"], extra_body=extra)
+    assert r.choices[0].text == "t10 t73 t14" and r.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=MODEL, prompt="t1", max_tokens=200, stop="t1 ", stream=True,
+                                       extra_body=extra)
+    assert "".join(c.choices[0].text for c in stream) == "t10 t73 t14 t1 "
+    for include in (False, True):
+        r = client.completions.create(model=MODEL, prompt="t1", max_tokens=10, logprobs=0,
+                                      extra_body={"stop_token_ids": [14], "include_stop_str_in_output": include})
+        c = r.choices[0]
+        assert c.text == ("t10 t73 t14" if include else "t10 t73") and c.finish_reason == "stop"
+        assert r.usage.completion_tokens == 3 and len(c.logprobs.tokens) == 3
+        assert c.logprobs.text_offset[-1] == len("t10 t73")  # the stop token's text begins where "t10 t73" ends
+
+
 def test_stop_string_streaming_holds_back_prefixes(client, engine):
     # "t1" is a prefix of "t10": the stream must not send "t1" of "t10" before it knows it is not "t1 ".
     stream = client.completions.create(model=MODEL, prompt="t1", max_tokens=200, stop="t1 ", stream=True)
@@ -574,6 +592,8 @@ def test_choice_text_holds_back_partial_characters_and_stop_prefixes():
     assert t.add(b"cbd") == "c" and t.stopped and t.text == "abc"
     t = ChoiceText(decode, stop=["xy"], min_tokens=2)
     assert t.add(b"ax") == "a" and t.add(b"y") == "" and t.stopped and t.text == "a"
+    t = ChoiceText(decode, stop=["xyz"], include_stop=True)  # nothing held back; the stop is kept
+    assert t.add(b"abx") == "abx" and t.add(b"yzq") == "yz" and t.stopped and t.text == "abxyz"
     t = ChoiceText(decode, stop=["b"], min_tokens=3)
     assert t.add(b"abab") == "aba" and t.text == "aba"  # the first b (token 2) is inside, the second past
 

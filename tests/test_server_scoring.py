@@ -312,11 +312,11 @@ def test_chat_template_kwargs_and_add_generation_prompt(engine):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+    ({"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": True,
       "min_tokens": 2, "use_beam_search": False, "priority": 3, "prompt_cache_key": "k", "safety_identifier": "s",
       "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}, None),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
-    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens
     ({"use_beam_search": True}, "use_beam_search"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
