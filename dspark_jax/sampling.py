@@ -157,7 +157,7 @@ def add_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array, pos: jax.
     """Raw logits f32 [B, V] or [B, T, V] plus each row's sparse logit bias: ids int32 [B, K], bias f32 [B, K]
     (padding entries carry bias 0, so any id will do; `TokenBias.entries` fills them). An entry of −inf is a
     ban: with `pos` (the position of the token each logits row predicts, int32 [B] or [B, T]) and `ban_until`
-    int32 [B], it applies only where pos < ban_until; without them, everywhere. Skipped when nothing applies."""
+    int32 [B], it applies only where pos < ban_until; without them, everywhere."""
     if ids.shape != bias.shape or ids.shape[0] != logits.shape[0]:
         raise ValueError(f"logit bias needs ids and biases [B, K] for B = {logits.shape[0]}, got {ids.shape=}, "
                          f"{bias.shape=}")
@@ -167,15 +167,13 @@ def add_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array, pos: jax.
     if ban_until is not None:
         lifted = (pos >= (ban_until if x.ndim == 2 else ban_until[:, None]))[..., None]  # [B, 1] or [B, T, 1]
         w = jnp.where(jnp.isneginf(w) & lifted, 0.0, w)  # [B, K] or [B, T, K]
-
-    def add(x):
-        if w.ndim == 2:
-            return x + jnp.zeros((B, x.shape[-1]), jnp.float32).at[jnp.arange(B)[:, None], ids].add(w)
-        T = w.shape[1]
-        at = (jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], ids[:, None, :])
-        return x + jnp.zeros((B, T, x.shape[-1]), jnp.float32).at[at].add(w)
-
-    return jax.lax.cond(jnp.any(w != 0.0), add, lambda x: x, x)
+    # A scatter-add of the B·(T·)K entries into the logits' own buffer (XLA updates it in place): no dense
+    # [B, (T,) V] bias and no branch; padding entries add 0.
+    if x.ndim == 2:
+        return x.at[jnp.arange(B)[:, None], ids].add(w)
+    T = x.shape[1]
+    w = jnp.broadcast_to(w, (B, T, w.shape[-1]))
+    return x.at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], ids[:, None, :]].add(w)
 
 
 def filter_probs(
