@@ -50,7 +50,7 @@ def malformed_cases(model: str) -> list[tuple[str, bytes, dict, int]]:
         ("/v1/completions", b'{"model": "' + model.encode() + b'", "prompt": [', js, 400),
         ("/v1/completions", json.dumps(good).encode(), {"content-type": "text/plain"}, 415),
         ("/v1/chat/completions", b"[" * 5000 + b"]" * 5000, js, 400),
-        ("/v1/completions", json.dumps({**good, "logit_bias": {"1": 5}}).encode(), js, 400),
+        ("/v1/completions", json.dumps({**good, "logit_bias": {"1": 500}}).encode(), js, 400),  # > 100
         ("/v1/completions", json.dumps({**good, "frobnicate": True}).encode(), js, 400),
         ("/v1/chat/completions", json.dumps({"model": model, "messages": "hi"}).encode(), js, 400),
         ("/v1/completions", json.dumps({**good, "prompt": [1, 10**12]}).encode(), js, 400),
