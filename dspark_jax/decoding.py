@@ -153,8 +153,9 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     min_p = check_min_p(min_p)
     logit_bias = check_logit_bias(logit_bias, target.config.vocab_size)
     min_tokens = check_min_tokens(min_tokens, max_new_tokens)
-    stop_ids = () if ignore_eos else target.eos_token_ids
-    bias = [TokenBias.of(logit_bias, stop_ids=stop_ids, prompt_len=len(p), min_tokens=min_tokens) for p in prompts]
+    track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
+    # min_tokens bans what ends a row (`track.eos`: EOS unless ignored).
+    bias = [TokenBias.of(logit_bias, stop_ids=track.eos, prompt_len=len(p), min_tokens=min_tokens) for p in prompts]
     if drafter is None:
         policy, L = Policy(kind="none"), 0
     else:
@@ -175,7 +176,6 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
                                                        max_pages=max_pages, kernels=kernels, kv_dtype=kv_dtype))
     tables = np.arange(B * max_pages, dtype=np.int32).reshape(B, max_pages)
     keys = row_key_data(seed, B)
-    track = StopTracker(B, max_new_tokens, target.eos_token_ids, ignore_eos)
 
     def push(b: int, tokens) -> None:
         taken = track.push(b, tokens)
