@@ -17,9 +17,35 @@ if os.environ.get("DSPARK_TEST_XLA_DEFAULTS") != "1":
 import numpy as np
 import pytest
 
+# One persistent XLA compilation cache for the whole run, shared by the xdist workers and the subprocesses tests
+# start (servers, notebooks, CLIs): tests build the same programs many times over (every engine, drafter and
+# runner traces its own closures), and a program whose HLO, flags and compile options match one compiled before
+# is read back instead of compiled. Each run starts empty (a directory per xdist run, removed at the end).
+# DSPARK_TEST_COMPILE_CACHE=0 turns it off.
+if os.environ.get("DSPARK_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    _OWN_CACHE = os.path.join(tempfile.gettempdir(), f"dspark-test-xla-{_run}")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    # A size cap turns on jax's file lock around every read and write: the processes share entries safely.
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+else:
+    _OWN_CACHE = None
+
 from dspark_jax.config import ModelConfig
 from dspark_jax.target import Target
 from dspark_jax.weights import build_decoder, read_hf_dir
+
+
+def pytest_sessionfinish(session):
+    """The run's compilation cache goes when the run ends: in the xdist controller, or the only process."""
+    if _OWN_CACHE and "PYTEST_XDIST_WORKER" not in os.environ:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
