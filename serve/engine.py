@@ -41,7 +41,15 @@ from serve.pages import PageAllocator
 from serve.runner_api import Runner
 from serve.scheduler import Plan, RoundInfo, Scheduler, StepKind, make_scheduler
 from serve.sps_table import SpsTable
-from serve.types import MAX_LOGPROBS, EngineRequest, QueueFull, RequestOutput, SamplingParams, TokenLogprob
+from serve.types import (
+    MAX_LOGPROBS,
+    EngineRequest,
+    InvalidRequest,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 log = logging.getLogger("dspark_jax.serve")
 
@@ -147,45 +155,62 @@ class EngineCore:
     def validate(self, request: EngineRequest) -> EngineRequest:
         """Checks a request against this engine (token ids, lengths, sampling values) and normalises its
         sampling parameters: temperature < 1e-5 is greedy, top_k beyond the vocabulary (or −1) is off.
-        Raises ValueError with a message meant for the client."""
+        Raises InvalidRequest (a ValueError) with a message meant for the client, naming the field at fault."""
+        return self._checked(request)[0]
+
+    def _checked(self, request: EngineRequest) -> tuple[EngineRequest, TokenBias | None]:
+        """`validate`, and the request's logit bias with its min_tokens bans (`TokenBias.of`)."""
         p, V = request.params, self.vocab_size
         ids = request.prompt_ids
         n = len(ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty")
         bad = next((t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {V})")
+            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary [0, {V})")
         bad = next((t for t in p.stop_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)), None)
         if bad is not None:
-            raise ValueError(f"stop token id {bad!r} is outside the vocabulary [0, {V})")
+            raise InvalidRequest(f"stop token id {bad!r} is outside the vocabulary [0, {V})", "stop_token_ids")
         if not isinstance(p.max_tokens, (int, np.integer)) or p.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {p.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be an integer >= 0, got {p.max_tokens!r}", "max_tokens")
         if n + p.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's context of "
-                             f"{self.max_model_len} tokens")
-        temperature, top_k, _ = check_params(p.temperature, p.top_k, p.top_p, vocab=V)
-        min_p = check_min_p(p.min_p)
-        logit_bias = check_logit_bias(p.logit_bias, V) or None
-        min_tokens = check_min_tokens(p.min_tokens, p.max_tokens)
-        TokenBias.of(logit_bias, stop_ids=self._stops(p), min_tokens=min_tokens)  # raises when the two overflow
+            raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's context "
+                                 f"of {self.max_model_len} tokens", "max_tokens")
+        try:
+            temperature, top_k, _ = check_params(p.temperature, p.top_k, p.top_p, vocab=V)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "temperature/top_k/top_p") from None
+        try:
+            min_p = check_min_p(p.min_p)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "min_p") from None
+        try:
+            logit_bias = check_logit_bias(p.logit_bias, V) or None
+        except ValueError as e:
+            raise InvalidRequest(str(e), "logit_bias") from None
+        try:
+            min_tokens = check_min_tokens(p.min_tokens, p.max_tokens)
+            bias = TokenBias.of(logit_bias, stop_ids=self._stops(p), prompt_len=n, min_tokens=min_tokens)
+        except ValueError as e:  # min_tokens out of range, or its bans and logit_bias overflow the bias table
+            raise InvalidRequest(str(e), "min_tokens") from None
         if p.seed is not None:
-            request_key_data(p.seed)  # raises for seeds outside 64 bits
+            try:
+                request_key_data(p.seed)  # raises for seeds outside 64 bits
+            except ValueError as e:
+                raise InvalidRequest(str(e), "seed") from None
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}")
+                raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}", name)
         params = dataclasses.replace(p, temperature=temperature, top_k=top_k, min_p=min_p, logit_bias=logit_bias)
-        return dataclasses.replace(request, prompt_ids=[int(x) for x in ids], params=params)
+        return dataclasses.replace(request, prompt_ids=[int(x) for x in ids], params=params), bias
 
     def add_request(self, request: EngineRequest) -> None:
-        request = self.validate(request)
+        request, bias = self._checked(request)
         p = request.params
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
-        stops = self._stops(p)
-        r = _Req(req=request, key=request_key_data(seed), prompt=list(request.prompt_ids), stops=stops,
-                 bias=TokenBias.of(p.logit_bias, stop_ids=stops, prompt_len=len(request.prompt_ids),
-                                   min_tokens=p.min_tokens))
+        r = _Req(req=request, key=request_key_data(seed), prompt=list(request.prompt_ids), stops=self._stops(p),
+                 bias=bias)
         with self._lock:
             if request.request_id in self.by_id:
                 raise ValueError(f"duplicate request id {request.request_id!r}")

@@ -179,7 +179,8 @@ class Generation:
                 self.engine.add_request(req)
             except ValueError as e:
                 self.close()  # the choices already queued
-                raise APIError(f"the engine rejected the request: {e}", code="engine_rejected") from None
+                raise APIError(f"the engine rejected the request: {e}", param=getattr(e, "param", None),
+                               code="engine_rejected") from None
             except QueueFull as e:
                 self.close()
                 raise APIError(f"the engine's queue is full; retry later ({e})", status=429, type="rate_limit_error",

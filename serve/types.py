@@ -42,6 +42,15 @@ class SamplingParams:
 MAX_LOGPROBS = 20
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses, with a message meant for the client and, where one field is at fault, its
+    name in the HTTP body (`param`, as OpenAI's error object names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TokenLogprob:
     """The target's log-probability of one emitted token (raw model distribution: log_softmax of the logits,

@@ -34,7 +34,7 @@ from dspark_jax.sampling import LOGIT_BIAS_MAX
 from serve.engine import Engine, EngineCore
 from serve.runner_api import Runner
 from serve.scheduler import Scheduler
-from serve.types import EngineRequest, SamplingParams
+from serve.types import EngineRequest, InvalidRequest, SamplingParams
 
 V = 1000
 WRONG = 500  # a wrong draft token is the correct one shifted by this much
@@ -581,6 +581,26 @@ def test_add_request_validation():
     assert core.metrics()["requests_waiting"] == 1
     drain(core, out)
     assert out.tokens("fits") == continuation(list(range(30)), 10)[0]
+
+
+def test_refusals_name_the_field_at_fault():
+    """InvalidRequest (a ValueError) carries the HTTP body's name of the field at fault, which the server
+    reports as the error's `param`; min_tokens' bans of 64 stop ids plus EOS overflow the 64-entry bias table."""
+    core, _ = make_core("fixed:1", max_model_len=40, eos=(77,))
+    cases = {"max_tokens": dict(max_tokens=-1), "stop_token_ids": dict(stop_token_ids=(V,)),
+             "logit_bias": dict(logit_bias={V: 1.0}), "min_tokens": dict(min_tokens=5, max_tokens=4),
+             "seed": dict(seed=2**64), "logprobs": dict(logprobs=21), "min_p": dict(min_p=2.0)}
+    for param, kw in cases.items():
+        p = SamplingParams(**{"max_tokens": 4, "temperature": 0.0, **kw})
+        with pytest.raises(InvalidRequest) as e:
+            core.add_request(EngineRequest(request_id=param, prompt_ids=[1, 2], params=p, on_output=Outputs()))
+        assert e.value.param == param, (param, str(e.value))
+    full = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=tuple(range(100, 164)))
+    with pytest.raises(InvalidRequest, match="more than 64 token ids") as e:
+        core.validate(EngineRequest(request_id="full", prompt_ids=[1], params=full, on_output=Outputs()))
+    assert e.value.param == "min_tokens"
+    core.validate(EngineRequest(request_id="fits", prompt_ids=[1], on_output=Outputs(),
+                                params=dataclasses.replace(full, ignore_eos=True)))  # 64 bans without EOS fit
 
 
 def expected_prompt_logprobs(prompt, k: int) -> list[tuple[int, float | None, tuple]]:

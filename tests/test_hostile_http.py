@@ -484,6 +484,12 @@ def test_fuzz_tiny_real_engine(tmp_path):
     try:
         with ServerThread(build_app(engine, tok, chat_template=template)) as s:
             report = fuzz_api.fuzz(s.base_url, cases=100, seconds=90, max_tokens=6, log=lambda *a: None)
+            # A refusal only the engine can make (min_tokens bans EOS and 64 stop ids: one more than its bias
+            # table holds) is a 400 naming the field.
+            model = httpx.get(f"{s.base_url}/v1/models").json()["data"][0]["id"]
+            r = httpx.post(f"{s.base_url}/v1/completions", json={
+                "model": model, "prompt": "t5", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": list(range(3, 67))})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
     finally:
         engine.stop()
     print(report.summary())
