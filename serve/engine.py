@@ -24,6 +24,7 @@ same tokens whatever else is in the batch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -52,6 +53,15 @@ from serve.types import (
 )
 
 log = logging.getLogger("dspark_jax.serve")
+
+
+@contextlib.contextmanager
+def _field(param: str):
+    """A shared check's ValueError, re-raised as InvalidRequest naming the request field `param`."""
+    try:
+        yield
+    except ValueError as e:
+        raise InvalidRequest(str(e), param) from None
 
 
 @dataclasses.dataclass
@@ -176,28 +186,18 @@ class EngineCore:
         if n + p.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's context "
                                  f"of {self.max_model_len} tokens", "max_tokens")
-        try:
+        with _field("temperature/top_k/top_p"):
             temperature, top_k, _ = check_params(p.temperature, p.top_k, p.top_p, vocab=V)
-        except ValueError as e:
-            raise InvalidRequest(str(e), "temperature/top_k/top_p") from None
-        try:
+        with _field("min_p"):
             min_p = check_min_p(p.min_p)
-        except ValueError as e:
-            raise InvalidRequest(str(e), "min_p") from None
-        try:
+        with _field("logit_bias"):
             logit_bias = check_logit_bias(p.logit_bias, V) or None
-        except ValueError as e:
-            raise InvalidRequest(str(e), "logit_bias") from None
-        try:
+        with _field("min_tokens"):  # min_tokens out of range, or its bans and logit_bias overflow the bias table
             min_tokens = check_min_tokens(p.min_tokens, p.max_tokens)
             bias = TokenBias.of(logit_bias, stop_ids=self._stops(p), prompt_len=n, min_tokens=min_tokens)
-        except ValueError as e:  # min_tokens out of range, or its bans and logit_bias overflow the bias table
-            raise InvalidRequest(str(e), "min_tokens") from None
         if p.seed is not None:
-            try:
+            with _field("seed"):
                 request_key_data(p.seed)  # raises for seeds outside 64 bits
-            except ValueError as e:
-                raise InvalidRequest(str(e), "seed") from None
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_LOGPROBS):
