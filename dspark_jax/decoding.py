@@ -24,8 +24,9 @@ from flax import nnx
 from dspark_jax.buckets import pick, pow2_at_least, round_up
 from dspark_jax.kernels import KernelConfig
 from dspark_jax.keys import row_key_data
+from dspark_jax.penalties import Penalties, check_frequency_penalty, check_presence_penalty, check_repetition_penalty
 from dspark_jax.policy import Policy
-from dspark_jax.runner import ModelRunner, RunnerConfig, StepKind, bias_rows
+from dspark_jax.runner import ModelRunner, RunnerConfig, StepKind, bias_rows, penalty_rows
 from dspark_jax.sampling import TokenBias, check_logit_bias, check_min_p, check_min_tokens, check_params
 from dspark_jax.target import dtype_name, resolve_dtype
 from dspark_jax.verification import acceptance_counts
@@ -97,7 +98,7 @@ PACKED_PREFILL_ROWS = 256  # most prompts in one
 
 
 def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k, top_p, min_p,
-                  bias) -> np.ndarray:
+                  bias, penalties=None) -> np.ndarray:
     """Prefills every row → the token sampled after each prompt (round 0 of the row's key), int32 [B].
 
     Prompts of at most the largest chunk bucket are packed back to back, many to a pass
@@ -116,13 +117,14 @@ def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k
         return part, runner.prefill_many(
             [prompts[b] for b in part], tables[part], keys[part], np.full(n, temperature, np.float32),
             np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), rows=pow2_at_least(n),
-            capacity=max(q, pow2_at_least(sum(lens))), max_q_len=q, min_p=min_p, bias=[bias[b] for b in part])
+            capacity=max(q, pow2_at_least(sum(lens))), max_q_len=q, min_p=min_p, bias=[bias[b] for b in part],
+            penalties=penalties)
 
     for b, p in enumerate(prompts):
         if len(p) > chunk:
             for start in range(0, len(p), chunk):
                 anchors[b] = runner.prefill(p[start : start + chunk], start, tables[b], keys[b], temperature, top_k,
-                                            top_p, min_p=min_p, bias=bias[b])[0]
+                                            top_p, min_p=min_p, bias=bias[b], penalties=penalties)[0]
             continue
         if part and (total + len(p) > PACKED_PREFILL_TOKENS or len(part) == PACKED_PREFILL_ROWS):
             passes.append(pack(part))
@@ -139,7 +141,8 @@ def _prefill_rows(runner: ModelRunner, prompts, tables, keys, temperature, top_k
 
 def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, temperature, top_k, top_p, seed,
                    ignore_eos, on_tokens=None, kernels="auto", on_round=None, kv_dtype="auto",
-                   min_p: float = 0.0, logit_bias=None, min_tokens: int = 0) -> GenerateResult:
+                   min_p: float = 0.0, logit_bias=None, min_tokens: int = 0,
+                   penalties: Penalties | None = None) -> GenerateResult:
     """Target-only or speculative decoding of a batch through the serving engine's round
     (dspark_jax/runner.py: the same prefill, draft and verify programs over paged caches).
 
@@ -183,7 +186,7 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
             on_tokens(b, taken)
 
     t0 = time.perf_counter()
-    anchors = _prefill_rows(runner, prompts, tables, keys, temperature, top_k, top_p, min_p, bias)
+    anchors = _prefill_rows(runner, prompts, tables, keys, temperature, top_k, top_p, min_p, bias, penalties)
     for b in range(B):
         push(b, anchors[b : b + 1])
     t1 = time.perf_counter()
@@ -194,6 +197,8 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     batch.temperature[:], batch.top_k[:], batch.top_p[:], batch.rounds[:] = temperature, top_k, top_p, 1
     batch.min_p[:] = min_p
     batch.bias_ids[:], batch.bias[:], batch.ban_until[:] = bias_rows(len(batch.bias), bias)
+    if penalties is not None:
+        batch.penalties = penalty_rows(len(batch.lengths), [(penalties, len(p)) for p in prompts])
     dev = runner.device_batch(batch)
     dev = dev._replace(active=jnp.asarray(~track.done))
     capacity = pick(B * (policy.max_draft(L) + 1), runner.capacities)
@@ -237,7 +242,8 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, policy=None,
              on_tokens=None, kernels: str | KernelConfig = "auto", on_round=None,
              kv_dtype: str = "auto", min_p: float = 0.0, logit_bias: dict | None = None,
-             min_tokens: int = 0) -> GenerateResult:
+             min_tokens: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0) -> GenerateResult:
     """Generates continuations of token-id prompts, target-only or speculatively with a drafter.
 
     Args:
@@ -253,6 +259,10 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
             min_p, are drawn without it.
         min_tokens: no EOS before this many tokens per prompt (vLLM's min_tokens; ≤ max_new_tokens): EOS is
             banned from the target's distribution until then (unless ignore_eos), as a logit bias of −inf.
+        presence_penalty, frequency_penalty: in [-2, 2] (0: off), subtracted once per generated token / per
+            occurrence in the output (OpenAI's); repetition_penalty: in [0.01, 10] (1: off), divides positive and
+            multiplies negative logits of prompt and output tokens (vLLM's). Applied to the target's logits after
+            the logit bias (dspark_jax/penalties.py); drafts, as for min_p, are drawn without them.
         seed: a fixed seed gives a fixed output; each row has its own stream.
         ignore_eos: keep going past EOS tokens.
         policy: speculative verification-length policy (dspark_jax/policy.py); default verifies the full block.
@@ -272,9 +282,11 @@ def generate(target, prompts, drafter=None, *, max_new_tokens: int = 64, tempera
     V = target.config.vocab_size
     if any(not 0 <= t < V for p in prompts for t in p):
         raise ValueError(f"prompt token ids must be in [0, {V})")
+    penalties = Penalties(check_presence_penalty(presence_penalty), check_frequency_penalty(frequency_penalty),
+                          check_repetition_penalty(repetition_penalty))
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
               logit_bias=logit_bias, min_tokens=min_tokens, ignore_eos=ignore_eos, on_tokens=on_tokens,
-              kernels=kernels)
+              kernels=kernels, penalties=penalties if penalties.active else None)
     KernelConfig.parse(kernels)  # validates the modes
     compute = dtype_name(target.dtype)
     kv_dtype = resolve_dtype(kv_dtype, auto=compute)

@@ -37,6 +37,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         '\'{"2": -100}\' bans token 2 (default: none)')
     p.add_argument("--min-tokens", type=int, default=0,
                    help="no EOS before this many new tokens (vLLM's min_tokens; default: %(default)s)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted once from each token already generated, in [-2, 2]; 0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence of each token already generated, in [-2, 2]; 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides positive (multiplies negative) logits of prompt and generated tokens, in "
+                        "[0.01, 10]; 1 = off")
     p.add_argument("--seed", type=int, default=0, help="random seed; a fixed seed gives a fixed output")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="parameter/activation dtype: auto (bfloat16 on GPU/TPU, float32 on CPU, where bf16 GEMMs "
@@ -55,11 +62,15 @@ def main(argv=None) -> int:
     try:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        from dspark_jax.penalties import check_frequency_penalty, check_presence_penalty, check_repetition_penalty
         from dspark_jax.sampling import check_min_p, check_min_tokens, check_params
 
         check_params(args.temperature, args.top_k, args.top_p)  # validate before the slow model load
         check_min_p(args.min_p)
         check_min_tokens(args.min_tokens, args.max_tokens)
+        check_presence_penalty(args.presence_penalty)
+        check_frequency_penalty(args.frequency_penalty)
+        check_repetition_penalty(args.repetition_penalty)
         try:
             logit_bias = None if args.logit_bias is None else json.loads(args.logit_bias)
         except json.JSONDecodeError as e:
@@ -84,6 +95,8 @@ def main(argv=None) -> int:
         res = dspark_jax.generate(target, [prompt], drafter, max_new_tokens=args.max_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   min_p=args.min_p, logit_bias=logit_bias, min_tokens=args.min_tokens, seed=args.seed,
+                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                  repetition_penalty=args.repetition_penalty,
                                   on_tokens=None if args.json else stream, kv_dtype=args.kv_dtype)
     except ValueError as e:  # ModelSpecError and bad parameters: one line, exit 2, no traceback
         print(f"error: {e}", file=sys.stderr)

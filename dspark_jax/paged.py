@@ -37,22 +37,29 @@ from dspark_jax.model import Decoder, concat_saved, hidden_slots, scan_layers
 @struct.dataclass
 class PagedKV:
     """k, v: [num_layers, P, K, page_size, H]; feat: the drafter's context entries H_ctx [P, 1, page_size, D]
-    when its anchor slot reads H_ctx[n−1] (`anchor_feature`), else None."""
+    when its anchor slot reads H_ctx[n−1] (`anchor_feature`), else None; ids: the token id at every cached
+    position, int32 [P, page_size] (the target's pool: `target_forward_flat` writes them; the penalties read a
+    request's history from them, dspark_jax/penalties.py), else None."""
 
     k: jax.Array
     v: jax.Array
     feat: jax.Array | None = None
+    ids: jax.Array | None = None
 
     @classmethod
     def init(cls, *, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
-             dtype=jnp.float32, sharding=None, feature_dim: int = 0, feature_sharding=None) -> PagedKV:
+             dtype=jnp.float32, sharding=None, feature_dim: int = 0, feature_sharding=None,
+             token_ids: bool = False) -> PagedKV:
         """Zero pools; with `sharding` (dspark_jax/sharding.py's `paged_sharding`) each device allocates only
         its own shard, so a pool larger than one device's memory can be built on a mesh. `feature_dim` > 0 adds
-        the pool of context entries (`feat`), placed by `feature_sharding`."""
+        the pool of context entries (`feat`), `token_ids` the pool of token ids (`ids`), both placed by
+        `feature_sharding`."""
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         feat = (jnp.zeros((num_pages, 1, page_size, feature_dim), dtype, device=feature_sharding)
                 if feature_dim else None)
-        return cls(k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding), feat=feat)
+        ids = jnp.zeros((num_pages, page_size), jnp.int32, device=feature_sharding) if token_ids else None
+        return cls(k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding), feat=feat,
+                   ids=ids)
 
     @property
     def num_pages(self) -> int:
@@ -272,7 +279,8 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
         hidden_layers: layers whose outputs to return for the drafter (concatenated).
 
     Returns:
-        (final-normed hidden [T, D], new kv, hidden [T, m·D] f32 or None).
+        (final-normed hidden [T, D], new kv (with the tokens' ids where it keeps them), hidden [T, m·D] f32
+        or None).
     """
     cfg = model.cfg
     page, offset = page_slots(block_tables, slot, pos, valid, kv.num_pages, kv.page_size)
@@ -306,7 +314,8 @@ def target_forward_flat(model: Decoder, kv: PagedKV, tokens, slot, pos, valid, b
 
     (x, k_pool, v_pool, saved, _), _ = scan_layers(model.layers, body, (x, kv.k, kv.v, saved, 0))
     hidden = concat_saved(saved) if hidden_layers else None
-    return model.final_norm(x)[0], PagedKV(k=k_pool, v=v_pool), hidden
+    ids = None if kv.ids is None else kv.ids.at[page, offset].set(tokens.astype(jnp.int32), mode="drop")
+    return model.final_norm(x)[0], PagedKV(k=k_pool, v=v_pool, ids=ids), hidden
 
 
 def drafter_write_flat(model: DrafterModel, kv: PagedKV, feats, slot, pos, valid, block_tables, *, tokens=None,

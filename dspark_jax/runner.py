@@ -62,6 +62,7 @@ from dspark_jax.paged import (
     last_context_entry,
     target_forward_flat,
 )
+from dspark_jax.penalties import Penalties, RowPenalties, history, penalize, penalize_block
 from dspark_jax.sampling import LOGIT_BIAS_MAX, TokenBias, add_logit_bias, all_greedy, filter_probs, sample
 from dspark_jax.scheduling import survival, topk_fill
 from dspark_jax.target import DTYPES, dtype_name, resolve_dtype
@@ -111,6 +112,9 @@ class StepBatch:
     rounds: np.ndarray  # int32 [Bb] the round being run
     logprobs: np.ndarray  # bool [Bb] whether the request wants logprobs
     rows: int  # R
+    # presence, frequency, repetition f32 [Bb] and prompt_len int32 [Bb] (dspark_jax/penalties.py; verification
+    # only, as min_p); None: no penalties
+    penalties: RowPenalties | None = None
 
     @property
     def active(self) -> np.ndarray:
@@ -161,6 +165,7 @@ class DeviceBatch(NamedTuple):
     keys: jax.Array  # uint32 [Bb, 2] request key data
     rounds: jax.Array  # int32 [Bb]
     logprobs: jax.Array  # bool [Bb]
+    penalties: RowPenalties | None = None  # f32 [Bb] ×3, prompt_len int32 [Bb]; None: no penalties
 
 
 @jax.jit
@@ -274,6 +279,7 @@ class PrefillChunk(NamedTuple):
     ban_until: jax.Array  # int32 [b]
     want_logprobs: jax.Array  # bool []: logprobs of the sampled tokens
     want_prompt_logprobs: jax.Array  # bool []: the LM head over every row, scoring `next_tokens`
+    penalties: RowPenalties | None = None  # [b] each; None: no penalties
 
 
 @functools.partial(jax.jit, static_argnames=("target_graph", "drafter_graph", "max_q_len", "hidden_layers", "kernels"),
@@ -308,6 +314,14 @@ def prefill_program(target_params, drafter_params, target_kv, drafter_kv, chunk:
     keys = round_keys(chunk.keys, jnp.zeros((b,), jnp.int32), VERIFY)
     temperature = jnp.where(chunk.counts > 0, chunk.temperature, 0.0)
     biased = add_logit_bias(logits, chunk.bias_ids, chunk.bias, chunk.starts + chunk.counts, chunk.ban_until)
+    pen = chunk.penalties
+    if pen is not None and target_kv.ids is not None:  # the history is every position up to the chunk's end
+        def penalized():
+            counts, seen = history(target_kv.ids, chunk.block_tables, chunk.starts + chunk.counts, pen.prompt_len,
+                                   logits.shape[-1])
+            return penalize(biased, counts, seen, pen)
+
+        biased = jax.lax.cond(pen.on(chunk.counts > 0), penalized, lambda: biased)
     tok = sample(keys, filter_probs(biased, temperature, chunk.top_k, chunk.top_p, chunk.min_p),
                  all_greedy(temperature))
     lp = _logprob_outputs(logits, tok, chunk.want_logprobs)
@@ -385,7 +399,8 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
     predicts = n[:, None] + 1 + jnp.arange(L + 1)  # [Bb, L+1]: the position of the token each row predicts
     raw_first = flat_logits[rows[:, 0]]  # [Bb, V]: each request's row after its anchor
     # What it samples from (logprobs stay the raw model's).
-    first = add_logit_bias(raw_first, batch.bias_ids, bias, predicts[:, 0], batch.ban_until)
+    first = _penalized(add_logit_bias(raw_first, batch.bias_ids, bias, predicts[:, 0], batch.ban_until)[:, None],
+                       batch, target_kv.ids, anchors[:, None])[:, 0]
     if L == 0:  # target only: sample the token after each anchor
         tok = _first_token(first, verify_keys, greedy, temp, top_k, top_p, min_p)
         emitted, zeros = tok[:, None], jnp.zeros((Bb,), jnp.int32)
@@ -398,12 +413,15 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
         zeros = jnp.zeros((Bb,), jnp.int32)
         res = VerifyResult(jnp.concatenate([tok[:, None], jnp.full((Bb, L), -1, jnp.int32)], 1), zeros + 1, zeros)
     else:
+        def target_rows():  # each request's L+1 rows as verification reads them (logprobs stay the raw model's)
+            return _penalized(add_logit_bias(flat_logits[rows], batch.bias_ids, bias, predicts, batch.ban_until),
+                              batch, target_kv.ids, block)
+
         res = jax.lax.cond(
             greedy,
-            lambda: greedy_verify(_biased_argmax(flat_logits, rows, batch.bias_ids, bias, predicts, batch.ban_until),
-                                  draft, lengths),
-            lambda: verify(verify_keys, filter_probs(add_logit_bias(flat_logits[rows], batch.bias_ids, bias, predicts,
-                                                                    batch.ban_until), temp, top_k, top_p, min_p),
+            lambda: greedy_verify(_adjusted_argmax(flat_logits, rows, target_rows, jnp.any(bias != 0.0)
+                                                   | _penalties_on(batch, target_kv.ids)), draft, lengths),
+            lambda: verify(verify_keys, filter_probs(target_rows(), temp, top_k, top_p, min_p),
                            draft, draft_vocab.to_vocab(q, nnx.merge(drafter_graph.value, drafter_params).cfg), lengths))
     if drafter_graph is not None:
         drafter_kv = drafter_write_flat(nnx.merge(drafter_graph.value, drafter_params), drafter_kv, feats, slot, pos,
@@ -413,14 +431,32 @@ def verify_program(target_params, drafter_params, target_kv, drafter_kv, batch: 
             _packed(res.emitted_tokens, res.num_emitted, res.num_accepted, lengths))
 
 
-def _biased_argmax(flat_logits, rows, ids, bias, predicts, ban_until):
-    """Greedy tokens [Bb, L+1] at each request's rows of the pass's flat logits [T, V] under its logit bias: the
-    argmax over the flat rows, gathered, unless some row has a bias (then its [Bb, L+1, V] rows are gathered).
-    `predicts` [Bb, L+1], `ban_until` [Bb]: as `add_logit_bias` takes them."""
-    return jax.lax.cond(jnp.any(bias != 0.0),
-                        lambda: jnp.argmax(add_logit_bias(flat_logits[rows], ids, bias, predicts, ban_until),
-                                           -1).astype(jnp.int32),
+def _adjusted_argmax(flat_logits, rows, target_rows, adjusted):
+    """Greedy tokens [Bb, L+1] at each request's rows of the pass's flat logits [T, V]: the argmax over the flat
+    rows, gathered, unless some row has a logit bias or penalties (`adjusted`), then the argmax of its
+    [Bb, L+1, V] rows as `target_rows()` builds them."""
+    return jax.lax.cond(adjusted, lambda: jnp.argmax(target_rows(), -1).astype(jnp.int32),
                         lambda: jnp.argmax(flat_logits, -1).astype(jnp.int32)[rows])
+
+
+def _penalties_on(batch: DeviceBatch, ids) -> jax.Array | bool:
+    """Whether some active row of the batch has penalties (False when it carries none, or the pool no ids)."""
+    return False if batch.penalties is None or ids is None else batch.penalties.on(batch.active)
+
+
+def _penalized(logits, batch: DeviceBatch, ids, block):
+    """Each request's rows logits [Bb, T, V] (bias applied) with its penalties, when some active row has any:
+    row j follows block[:, j] (the anchor, then drafts), its history read from the id pool `ids` up to the
+    anchor (dspark_jax/penalties.py)."""
+    pen = batch.penalties
+    if pen is None or ids is None:
+        return logits
+
+    def apply():
+        counts, seen = history(ids, batch.block_tables, batch.lengths, pen.prompt_len, logits.shape[-1])
+        return penalize_block(logits, counts, seen, block, pen)
+
+    return jax.lax.cond(pen.on(batch.active), apply, lambda: logits.astype(jnp.float32))
 
 
 def _packed(emitted, num_emitted, num_accepted, lengths):
@@ -443,6 +479,19 @@ def bias_rows(rows: int, per_request) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return ids, bias, until
 
 
+def penalty_rows(rows: int, per_request=()) -> RowPenalties:
+    """Host `RowPenalties` of `rows` rows (presence, frequency, repetition f32; prompt_len int32) from n ≤ rows
+    requests' (`Penalties` or None, prompt length or None); other rows are off (prompt_len: every position)."""
+    presence, frequency = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    repetition, prompt_len = np.ones(rows, np.float32), np.full(rows, np.iinfo(np.int32).max, np.int32)
+    for i, (pen, n) in enumerate(per_request):
+        if pen is not None:
+            presence[i], frequency[i], repetition[i] = pen
+        if n is not None:
+            prompt_len[i] = n
+    return RowPenalties(presence, frequency, repetition, prompt_len)
+
+
 class PrefillItem(NamedTuple):
     """One request's chunk in a prefill pass (`ModelRunner.prefill_chunks`): `tokens` at positions start.. of
     the request whose pages `table_row` lists, sampled with its key data and filters. logprobs: also return the
@@ -460,6 +509,7 @@ class PrefillItem(NamedTuple):
     prompt_targets: list[int] | None = None
     min_p: float = 0.0
     bias: TokenBias | None = None  # logit bias and min_tokens bans
+    penalties: Penalties | None = None  # repetition, frequency and presence penalties (every chunk token: prompt)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -543,7 +593,7 @@ class ModelRunner:
                                 sharding=paged_sharding(mesh, heads) if mesh is not None else self._placement,
                                 **extra)
 
-        self.target_kv = pool(target.config)
+        self.target_kv = pool(target.config, token_ids=True, feature_sharding=self._placement)  # ids: penalties
         self.drafter_kv = None
         # On XLA:CPU the target's dense weights output-major (Target.serving_split), unless sharded.
         target_graph, self.target_params = target.serving_split(None if mesh is None else False)
@@ -612,11 +662,12 @@ class ModelRunner:
         return pick(len(counts), self.prefill_rows) * max(counts) <= 2 * self.chunk_sizes[-1]
 
     def prefill(self, tokens: list[int], start: int, table_row, key, temperature: float, top_k: int, top_p: float,
-                logprobs: bool = False, prompt_targets=None, min_p: float = 0.0, bias: TokenBias | None = None):
+                logprobs: bool = False, prompt_targets=None, min_p: float = 0.0, bias: TokenBias | None = None,
+                penalties: Penalties | None = None):
         """`prefill_chunks` of one request's chunk (`PrefillItem` has the arguments) → its (token, logprobs,
         prompt logprobs)."""
         return self.prefill_chunks([PrefillItem(tokens, start, table_row, key, temperature, top_k, top_p,
-                                                logprobs, prompt_targets, min_p, bias)])[0]
+                                                logprobs, prompt_targets, min_p, bias, penalties)])[0]
 
     def prefill_chunks(self, items: list[PrefillItem]) -> list[tuple]:
         """Runs the chunks of len(items) ≤ `prefill_rows[-1]` requests, ≤ the largest chunk bucket of tokens
@@ -645,6 +696,7 @@ class ModelRunner:
             np.stack([np.asarray(it.table_row, np.int32) for it in items]), [it.key for it in items],
             [it.temperature for it in items], [it.top_k for it in items], [it.top_p for it in items],
             min_p=[it.min_p for it in items], bias=[it.bias for it in items],
+            penalties=[(it.penalties, None) for it in items],
             rows=pick(n, self.prefill_rows), capacity=C, max_q_len=C,
             logprobs=want_lp, next_tokens=targets)
         tok, lp, prompt_lp = jax.device_get((tok, lp if want_lp else None, None if targets is None else prompt_lp))
@@ -653,21 +705,24 @@ class ModelRunner:
                 for i, (it, at, yes) in enumerate(zip(items, offsets, scored, strict=False))]
 
     def prefill_many(self, prompts: list[list[int]], block_tables, keys, temperature, top_k, top_p, *, rows: int,
-                     capacity: int, max_q_len: int, min_p=0.0, bias=None) -> jax.Array:
+                     capacity: int, max_q_len: int, min_p=0.0, bias=None, penalties=None) -> jax.Array:
         """Prefills whole prompts of len(prompts) ≤ `rows` requests in one packed pass of `capacity` flat rows
         (each prompt ≤ `max_q_len` tokens; rows, capacity and max_q_len are the caller's buckets) → the token
         sampled after each prompt, int32 [rows] on device (padding rows: ignore). Per-request arrays [n]:
         block_tables [n, M], keys [n, 2], temperature, top_k, top_p, min_p (a scalar or [n]); bias: None or per
-        request a `sampling.TokenBias` (or None)."""
+        request a `sampling.TokenBias` (or None); penalties: None or one `Penalties` for every request."""
         return self._prefill_pass(prompts, [0] * len(prompts), block_tables, keys, temperature, top_k, top_p,
-                                  min_p=min_p, bias=bias, rows=rows, capacity=capacity,
+                                  min_p=min_p, bias=bias, penalties=[(penalties, None)] * len(prompts),
+                                  rows=rows, capacity=capacity,
                                   max_q_len=max_q_len)[0]
 
     def _prefill_pass(self, chunks, starts, block_tables, keys, temperature, top_k, top_p, *, min_p=0.0,
-                      bias=None, rows: int,
+                      bias=None, penalties=None, rows: int,
                       capacity: int, max_q_len: int, logprobs: bool = False, next_tokens=None):
         """Packs the chunks back to back into `capacity` rows, pads the requests to `rows`, uploads once and
-        runs `prefill_program` → its (tokens [rows], logprobs, prompt logprobs) device outputs."""
+        runs `prefill_program` → its (tokens [rows], logprobs, prompt logprobs) device outputs. penalties: None
+        or per request (`Penalties` or None, its prompt length or None: every position up to the chunk's end is
+        prompt; the engine samples after a resumed request's recompute but keeps its anchor)."""
         n = len(chunks)
         counts = np.zeros(rows, np.int32)
         counts[:n] = [len(c) for c in chunks]
@@ -693,7 +748,8 @@ class ModelRunner:
             temperature=per_request(temperature, np.float32), top_k=per_request(top_k, np.int32),
             top_p=per_request(top_p, np.float32, 1.0), min_p=per_request(min_p, np.float32),
             bias_ids=bias_ids, bias=bias_values, ban_until=ban_until, want_logprobs=np.bool_(logprobs),
-            want_prompt_logprobs=np.bool_(next_tokens is not None)))  # one upload for the pass
+            want_prompt_logprobs=np.bool_(next_tokens is not None),
+            penalties=penalty_rows(rows, penalties or ())))  # one upload for the pass
         s = self._static
         self.target_kv, self.drafter_kv, tok, lp, prompt_lp = prefill_program(
             self.target_params, self.drafter_params, self.target_kv, self.drafter_kv, chunk,
@@ -727,7 +783,9 @@ class ModelRunner:
             top_p=np.array(b.top_p, np.float32), min_p=np.array(b.min_p, np.float32),
             bias_ids=np.array(b.bias_ids, np.int32), bias=np.array(b.bias, np.float32),
             ban_until=np.array(b.ban_until, np.int32),
-            keys=np.array(b.keys, np.uint32), rounds=np.array(b.rounds, np.int32), logprobs=np.array(b.logprobs, bool)))
+            keys=np.array(b.keys, np.uint32), rounds=np.array(b.rounds, np.int32), logprobs=np.array(b.logprobs, bool),
+            penalties=penalty_rows(len(b.lengths)) if b.penalties is None else RowPenalties(
+                *(np.array(x) for x in b.penalties))))
 
     def draft(self, b: StepBatch, dev: DeviceBatch | None = None):
         """(draft, q, confidence) device arrays for every row of the batch bucket; q is over the drafter's
@@ -834,7 +892,8 @@ class ModelRunner:
                          bias_ids=np.zeros((Bb, LOGIT_BIAS_MAX), np.int32),
                          bias=np.zeros((Bb, LOGIT_BIAS_MAX), np.float32), ban_until=np.zeros(Bb, np.int32),
                          keys=np.zeros((Bb, 2), np.uint32),
-                         rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows)
+                         rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows,
+                         penalties=penalty_rows(Bb))
 
     # ---- start-up ---------------------------------------------------------------------------------------------
     def warmup(self, modes: tuple[str, ...], max_draft: int | None = None, progress=None, plain: bool = False) -> None:

@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 from dspark_jax.keys import request_key_data
-from dspark_jax.runner import PrefillItem, bias_rows
+from dspark_jax.penalties import Penalties, check_frequency_penalty, check_presence_penalty, check_repetition_penalty
+from dspark_jax.runner import PrefillItem, bias_rows, penalty_rows
 from dspark_jax.sampling import TokenBias, check_logit_bias, check_min_p, check_min_tokens, check_params
 from dspark_jax.verification import acceptance_counts
 from serve.pages import PageAllocator
@@ -94,6 +95,7 @@ class _Req:
     prompt_logprobs: list | None = None  # TokenLogprob per prompt position prefilled so far (when asked)
     stops: frozenset = frozenset()  # token ids that end it (its stop ids, and EOS unless ignored; `_take`)
     bias: TokenBias | None = None  # its logit bias and min_tokens bans
+    penalties: Penalties | None = None  # its repetition, frequency and presence penalties (None: off)
     stop_token: TokenLogprob | None = None  # the one that ended it (`_take`)
 
     @property
@@ -195,6 +197,12 @@ class EngineCore:
         with _field("min_tokens"):  # min_tokens out of range, or its bans and logit_bias overflow the bias table
             min_tokens = check_min_tokens(p.min_tokens, p.max_tokens)
             bias = TokenBias.of(logit_bias, stop_ids=self._stops(p), prompt_len=n, min_tokens=min_tokens)
+        with _field("presence_penalty"):
+            presence = check_presence_penalty(p.presence_penalty)
+        with _field("frequency_penalty"):
+            frequency = check_frequency_penalty(p.frequency_penalty)
+        with _field("repetition_penalty"):
+            repetition = check_repetition_penalty(p.repetition_penalty)
         if p.seed is not None:
             with _field("seed"):
                 request_key_data(p.seed)  # raises for seeds outside 64 bits
@@ -202,15 +210,18 @@ class EngineCore:
             k = getattr(p, name)
             if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_LOGPROBS):
                 raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}", name)
-        params = dataclasses.replace(p, temperature=temperature, top_k=top_k, min_p=min_p, logit_bias=logit_bias)
+        params = dataclasses.replace(p, temperature=temperature, top_k=top_k, min_p=min_p, logit_bias=logit_bias,
+                                     presence_penalty=presence, frequency_penalty=frequency,
+                                     repetition_penalty=repetition)
         return dataclasses.replace(request, prompt_ids=[int(x) for x in ids], params=params), bias
 
     def add_request(self, request: EngineRequest) -> None:
         request, bias = self._checked(request)
         p = request.params
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
+        penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
         r = _Req(req=request, key=request_key_data(seed), prompt=list(request.prompt_ids), stops=self._stops(p),
-                 bias=bias)
+                 bias=bias, penalties=penalties if penalties.active else None)
         with self._lock:
             if request.request_id in self.by_id:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -336,7 +347,7 @@ class EngineCore:
         targets = r.prompt[start + 1 : start + len(chunk) + 1] if p.prompt_logprobs is not None and fresh else None
         return PrefillItem(chunk, start, self.pages.table_row(r.rid, self.pages.num_pages), r.key, p.temperature,
                            p.top_k, p.top_p, logprobs=p.logprobs is not None and fresh, prompt_targets=targets,
-                           min_p=p.min_p, bias=r.bias)
+                           min_p=p.min_p, bias=r.bias, penalties=r.penalties)
 
     def _prefill(self) -> None:
         """One prefill pass over `_prefill_batch`. A request's own values can fail the host side of a pass
@@ -437,6 +448,8 @@ class EngineCore:
         b.min_p[:R] = [p.min_p for p in params]
         if any(r.bias for r in running):
             b.bias_ids[:], b.bias[:], b.ban_until[:] = bias_rows(len(b.bias), [r.bias for r in running])
+        if any(r.penalties for r in running):
+            b.penalties = penalty_rows(len(b.lengths), [(r.penalties, len(r.req.prompt_ids)) for r in running])
         b.keys[:R] = np.stack([r.key for r in running])
         b.rounds[:R] = [r.rounds + 1 for r in running]
         b.logprobs[:R] = [p.logprobs is not None for p in params]

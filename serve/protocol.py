@@ -10,7 +10,7 @@ Validation policy: every field is checked here, at the protocol boundary, before
     know may change the output, and ignoring it would hand back an answer the client cannot tell is wrong.
   * Known fields we do not implement are accepted only at their neutral value, the one that leaves the output
     as if the field were absent; any other value is 400 naming it (code "unsupported_parameter"). See UNSUPPORTED:
-    presence/frequency_penalty 0, repetition_penalty 1, best_of = n, suffix empty,
+    best_of = n, suffix empty,
     response_format {"type": "text"}, tools/functions absent, tool_choice/function_call "none",
     parallel_tool_calls absent; and vLLM's extras at vLLM's defaults: skip_special_tokens and
     spaces_between_special_tokens true, use_beam_search,
@@ -24,6 +24,9 @@ Validation policy: every field is checked here, at the protocol boundary, before
     token id's text: that token is then one of the choice's tokens, in its logprobs with its text).
   * logit_bias (OpenAI's): at most LOGIT_BIAS_MAX token ids (as decimal strings, OpenAI's keys; in [0, vocab),
     checked by the server) mapped to biases in [-100, 100], added to the target's raw logits.
+  * Penalties (dspark_jax/penalties.py, as vLLM applies them, after logit_bias): presence_penalty and
+    frequency_penalty in [-2, 2] (0 off) on the generated tokens, vLLM's repetition_penalty in [0.01, 10] (1 off)
+    on prompt and generated tokens.
   * Fields that never change the output are accepted and ignored: user, metadata, store, service_tier,
     prompt_cache_key, safety_identifier, priority (served first come, first served),
     stream_options.include_usage (honoured; stream_options only with stream true, as OpenAI), and a message's
@@ -60,6 +63,7 @@ import numpy as np
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
+from dspark_jax.penalties import PENALTY_RANGE, REPETITION_RANGE
 from dspark_jax.sampling import LOGIT_BIAS_MAX
 from serve.types import MAX_LOGPROBS
 
@@ -125,13 +129,10 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    # Known but unimplemented: accepted only at the neutral value (UNSUPPORTED).
-    presence_penalty: Annotated[float | None, _only({"type": "number", "minimum": 0, "maximum": 0}, _NO_PENALTY)] = \
-        Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Annotated[float | None, _only({"type": "number", "minimum": 0, "maximum": 0}, _NO_PENALTY)] = \
-        Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: Annotated[float | None, _only({"type": "number", "minimum": 1, "maximum": 1}, _NO_PENALTY)] = \
-        Field(None, gt=0.0, le=2.0)
+    # OpenAI's presence/frequency penalties and vLLM's repetition_penalty (dspark_jax/penalties.py).
+    presence_penalty: float | None = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    frequency_penalty: float | None = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_RANGE[0], le=REPETITION_RANGE[1])
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=LOGIT_BIAS_MAX)
     min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)  # vLLM's; at most max_tokens (checked by the server)
     include_stop_str_in_output: bool | None = None  # vLLM's: the stop string (or stop token's text) ends the text
@@ -193,15 +194,11 @@ class _Request(_Strict):
                            param="stream_options.continuous_usage_stats", code="unsupported_parameter")
 
 
-_NO_PENALTY = "penalties are not implemented: only the neutral value"
 _NO_TOOLS = "tool calling is not implemented"
 
 # field -> (is the value neutral?, what this server supports). A value that is not neutral would change the
 # output or its format in a way this server does not implement.
 UNSUPPORTED = {
-    "presence_penalty": (lambda v, r: v == 0, "penalties are not implemented; only 0 is accepted"),
-    "frequency_penalty": (lambda v, r: v == 0, "penalties are not implemented; only 0 is accepted"),
-    "repetition_penalty": (lambda v, r: v == 1, "penalties are not implemented; only 1 is accepted"),
     "best_of": (lambda v, r: v == (r.n or 1), "best_of is not implemented; it must equal n"),
     "suffix": (lambda v, r: v == "", "suffix (insertion) is not implemented"),
     "response_format": (lambda v, r: v.type == "text" and not v.model_extra,

@@ -273,6 +273,9 @@ def build_app(engine: EngineLike, tokenizer, *, chat_template: Callable[..., lis
         k = req.logprobs_k()
         base = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               min_p=req.min_p or 0.0, logit_bias=logit_bias, min_tokens=min_tokens, seed=req.seed,
+                              presence_penalty=req.presence_penalty or 0.0,
+                              frequency_penalty=req.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                               stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), logprobs=k,
                               prompt_logprobs=k if not chat and req.echo else None)
         return [dataclasses.replace(base, seed=None if req.seed is None else _wrap_int64(req.seed + i))

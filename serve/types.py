@@ -31,6 +31,11 @@ class SamplingParams:
     # vLLM's min_tokens (≤ max_tokens): the request's stop ids (EOS unless ignore_eos, and stop_token_ids) are
     # banned from the target's distribution until this many tokens are out; the server defers stop strings.
     min_tokens: int = 0
+    # vLLM's penalties (dspark_jax/penalties.py), on the target's logits after logit_bias: presence and frequency
+    # in [-2, 2] (0: off) on the generated tokens, repetition in [0.01, 10] (1: off) on prompt and generated ones.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

@@ -408,6 +408,25 @@ def test_preemption_keeps_outputs_exact_and_returns_pages(tiny):
         assert m["preemptions_total"] > 0
         assert [outs[str(i)] for i in range(len(prompts))] == ref
         assert m["free_pages"] == m["total_pages"] == 14
+        # Penalties read each request's history from its pages: a preempted request's recompute writes the same
+        # ids back (prompt, then its generated tokens as generated), so it decodes as it does alone.
+        pen = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, presence_penalty=2.0,
+                             frequency_penalty=2.0, repetition_penalty=8.0)  # this target repeats by far
+        together: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(EngineRequest(request_id=f"p{i}", prompt_ids=p, params=pen,
+                                             on_output=lambda o: together.setdefault(o.request_id, []).extend(
+                                                 o.token_ids)))
+        assert engine.wait_idle(300)
+        assert engine.metrics()["preemptions_total"] > m["preemptions_total"]
+        alone: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(EngineRequest(request_id=f"a{i}", prompt_ids=p, params=pen,
+                                             on_output=lambda o: alone.setdefault(o.request_id, []).extend(
+                                                 o.token_ids)))
+            assert engine.wait_idle(300)
+        assert [together[f"p{i}"] for i in range(len(prompts))] == [alone[f"a{i}"] for i in range(len(prompts))]
+        assert [alone[f"a{i}"] for i in range(len(prompts))] != ref
     finally:
         engine.stop()
 

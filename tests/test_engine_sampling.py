@@ -324,6 +324,58 @@ def test_min_tokens_follows_the_banned_then_free_target(models, runner):
                                        params=SamplingParams(max_tokens=2, min_tokens=3), on_output=print))
 
 
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.6)
+
+
+def _penalized_np(x: np.ndarray, generated: list[int], presence_penalty: float, frequency_penalty: float,
+                  repetition_penalty: float) -> np.ndarray:
+    """One logit row [V] penalised as vLLM documents it (written from the semantics, not penalties.py):
+    repetition on the tokens of PROMPT and `generated` (x / r where x > 0, x · r otherwise), then frequency
+    (× each token's count in `generated`) and presence (once per token in it)."""
+    counts = np.bincount(np.asarray(generated, int), minlength=x.size)
+    hit = np.isin(np.arange(x.size), PROMPT) | (counts > 0)
+    x = np.where(hit, np.where(x > 0, x / repetition_penalty, x * repetition_penalty), x)
+    return x - frequency_penalty * counts - presence_penalty * (counts > 0)
+
+
+def test_penalties_follow_the_penalised_target(models, runner):
+    """vLLM's presence, frequency and repetition penalties at T = 1 (on the target's logits; drafts are drawn
+    without them): three tokens follow the exact joint of the penalised target, where the second and third
+    tokens' penalties count the tokens before them (inside a verification block, the anchor and the accepted
+    drafts); the prompt spans two prefill passes, both in the repetition penalty's history. Greedy: the penalised
+    argmax chain for every token of a request, beside requests without penalties that decode as they do alone.
+    Out-of-range values are refused, naming the field."""
+    target, _, logits = models
+    core = _core(runner, "dspark")
+    n = len(PROMPT)
+    joint = np.zeros((V_SMALL,) * 3)
+    for j, (a, b) in enumerate(itertools.product(range(V_SMALL), repeat=2)):
+        p = [_filtered_np(_penalized_np(logits[j, n - 1 + i], [a, b][:i], **PENALTIES), 1.0, 0, 1.0)
+             for i in range(3)]
+        joint[a, b] = p[0][a] * p[1][b] * p[2]
+    assert 0.5 * abs(joint - _exact_joint(logits, 1.0)).sum() > 0.2  # the penalties move the target a lot
+    pvalue, outside = _chi2(_sample(core, 1000, LIVE_TOKENS, seed0=60_000, temperature=1.0, **PENALTIES)[:, :3],
+                            joint)
+    assert outside == 0 and pvalue > ALPHA, pvalue
+    # Greedy, every token: the target's logits over the chain so far, penalised, argmax (one row per step).
+    chain: list[int] = []
+    for _ in range(LIVE_TOKENS):
+        row = _padded_logits(target, [PROMPT + chain])[0, n - 1 + len(chain)]
+        chain.append(int(np.argmax(_penalized_np(row, chain, **PENALTIES))))
+    plain = _sample(core, 2, LIVE_TOKENS, seed0=7, temperature=0.0).tolist()
+    assert chain != plain[0]
+    mixed = {str(i): (PROMPT, SamplingParams(max_tokens=LIVE_TOKENS, seed=i, ignore_eos=True, temperature=0.0,
+                                             **(PENALTIES if i % 2 else {}))) for i in range(4)}
+    outs = _run(core, mixed)
+    assert all(_tokens(outs[str(i)]) == chain for i in (1, 3)), (chain, outs)
+    assert [_tokens(outs[str(i)]) for i in (0, 2)] == plain
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0)):
+        with pytest.raises(ValueError, match=field) as err:
+            core.add_request(EngineRequest(request_id="bad", prompt_ids=PROMPT,
+                                           params=SamplingParams(max_tokens=2, **{field: value}), on_output=print))
+        assert err.value.param == field
+
+
 # ---- 3. logprobs ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheduler", ["fixed:3", "dspark"])
 def test_logprobs_equal_the_targets_log_softmax(models, runner, scheduler):

@@ -115,6 +115,9 @@ OUT_OF_RANGE = [
     ({"prompt": [[1], [103]]}, "prompt"), ({"prompt": [[1], [2**40]]}, "prompt"), ({"prompt": [[1], [-1]]}, "prompt"),
     ({"prompt": [[1], [True]]}, "prompt"), ({"echo": 1}, "echo"), ({"echo": "true"}, "echo"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"presence_penalty": 2.01}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 10.5}, "repetition_penalty"),
+    ({"presence_penalty": "0.5"}, "presence_penalty"),
 ]
 
 
@@ -207,8 +210,6 @@ def test_invalid_json_values_are_400(http, raw, what):
 
 # ---- unknown and unsupported parameters -----------------------------------------------------------------------
 UNSUPPORTED = [  # (endpoint, field, a value that changes the output, the neutral value)
-    ("completions", "presence_penalty", 0.5, 0), ("completions", "frequency_penalty", -1.0, 0.0),
-    ("completions", "repetition_penalty", 1.2, 1),
     ("completions", "best_of", 2, 1),
     ("completions", "suffix", "t9", ""),
     ("chat", "response_format", {"type": "json_object"}, {"type": "text"}),
@@ -216,7 +217,7 @@ UNSUPPORTED = [  # (endpoint, field, a value that changes the output, the neutra
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}], None),
     ("chat", "tools", [], None), ("chat", "functions", [{"name": "f"}], None),
     ("chat", "tool_choice", "auto", "none"), ("chat", "function_call", {"name": "f"}, "none"),
-    ("chat", "parallel_tool_calls", False, None), ("chat", "presence_penalty", 2, 0),
+    ("chat", "parallel_tool_calls", False, None),
 ]
 
 

@@ -314,6 +314,12 @@ def test_sampling_params_pass_through(client, engine, http):
     assert engine.added[-1].params.logit_bias == {3: 2.5, 9: -100.0}
     client.completions.create(model=MODEL, prompt="t1", max_tokens=2, logit_bias={})
     assert engine.added[-1].params.logit_bias is None
+    p = engine.added[-1].params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t3"}], max_tokens=2,
+                                   presence_penalty=-0.5, frequency_penalty=2, extra_body={"repetition_penalty": 1.2})
+    p = engine.added[-1].params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-0.5, 2.0, 1.2)
     client.completions.create(model=MODEL, prompt="t1", max_tokens=3, extra_body={"min_tokens": 3})
     assert engine.added[-1].params.min_tokens == 3
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t3"}],

@@ -132,6 +132,44 @@ def test_greedy_equality_with_min_tokens(tiny_target, greedy_reference, distille
         dspark_jax.generate(tiny_target, _prompts(), max_new_tokens=2, min_tokens=3)
 
 
+def _penalized_greedy(target, prompts, n: int, presence: float, frequency: float, repetition: float):
+    """Greedy continuations under vLLM's penalties, written from their documented semantics (not
+    dspark_jax/penalties.py): each step runs the target over the whole sequence so far, divides positive (multiplies
+    negative) logits of tokens in the prompt or output by `repetition`, subtracts frequency × each token's count in
+    the output and presence once per output token, and takes the argmax."""
+    width = max(len(p) for p in prompts) + n
+    rows = [list(p) for p in prompts]
+    for _ in range(n):
+        ids = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+        logits = np.asarray(target.logits(ids), np.float64)
+        for i, (p, r) in enumerate(zip(prompts, rows, strict=True)):
+            x = logits[i, len(r) - 1]
+            counts = np.bincount(r[len(p):], minlength=x.size)
+            hit = np.isin(np.arange(x.size), p) | (counts > 0)
+            x = np.where(hit, np.where(x > 0, x / repetition, x * repetition), x)
+            r.append(int(np.argmax(x - frequency * counts - presence * (counts > 0))))
+    return [r[len(p):] for p, r in zip(prompts, rows, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_greedy_equality_with_penalties(tiny_target, greedy_reference, distilled_drafter, model_type, kind):
+    """Presence, frequency and repetition penalties on the target's side (drafts are drawn without them): the
+    target-only greedy output equals a dense reference loop, and speculative greedy output equals it, with drafts
+    accepted (inside a block, each row's penalties count the anchor and the drafts before it)."""
+    pen = dict(presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.3)
+    kw = dict(max_new_tokens=24, ignore_eos=True, **pen)
+    ref = dspark_jax.generate(tiny_target, _prompts(), **kw).tokens
+    assert ref != greedy_reference
+    assert ref == _penalized_greedy(tiny_target, _prompts(), 24, *pen.values())
+    out = dspark_jax.generate(tiny_target, _prompts(), distilled_drafter(model_type, kind, 7), **kw)
+    assert out.tokens == ref
+    assert _accepted(out) > 0, out.stats
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        dspark_jax.generate(tiny_target, _prompts(), max_new_tokens=2, repetition_penalty=0.0)
+
+
 def test_greedy_equality_with_randomised_heads(tiny_target, greedy_reference, distilled_drafter, model_type):
     """The distilled DSpark drafter with noise added to its Markov and confidence heads: output unchanged,
     drafts still accepted (the noise is small against the trained bias)."""
