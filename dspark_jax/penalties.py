@@ -105,7 +105,7 @@ def history(ids: jax.Array, block_tables: jax.Array, upto: jax.Array, prompt_len
     prompt = pos < jnp.minimum(prompt_len, upto)[:, None]
     rows = jnp.arange(B)[:, None]
     counts = jnp.zeros((B, vocab), jnp.int32).at[rows, toks].add(generated.astype(jnp.int32))
-    seen = jnp.zeros((B, vocab), jnp.int32).at[rows, toks].add(prompt.astype(jnp.int32)) > 0
+    seen = jnp.zeros((B, vocab), jnp.int8).at[rows, toks].max(prompt.astype(jnp.int8)) > 0
     return counts, seen
 
 
