@@ -176,7 +176,8 @@ def generate_paged(target, drafter, prompts, *, policy=None, max_new_tokens, tem
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * (L + 1) + 1
     max_pages = pow2_at_least(-(-longest // PAGE_SIZE))
     runner = ModelRunner(target, drafter, RunnerConfig(max_batch=B, num_pages=B * max_pages, page_size=PAGE_SIZE,
-                                                       max_pages=max_pages, kernels=kernels, kv_dtype=kv_dtype))
+                                                       max_pages=max_pages, kernels=kernels, kv_dtype=kv_dtype,
+                                                       penalties=penalties is not None))
     tables = np.arange(B * max_pages, dtype=np.int32).reshape(B, max_pages)
     keys = row_key_data(seed, B)
 

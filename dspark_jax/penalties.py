@@ -20,10 +20,12 @@ those of the target that would have generated that prefix, which is what lossles
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PENALTY_RANGE = 2.0  # |presence_penalty|, |frequency_penalty| ≤ this (OpenAI's range)
 REPETITION_RANGE = (0.01, 10.0)  # repetition_penalty bounds: finite logits either way (vLLM: any r > 0)
@@ -44,7 +46,7 @@ class Penalties(NamedTuple):
 def _number(name: str, value, default: float) -> float:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {repr(value)[:32]}")
     x = float(value)
     if not math.isfinite(x):

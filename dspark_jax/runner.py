@@ -112,8 +112,8 @@ class StepBatch:
     rounds: np.ndarray  # int32 [Bb] the round being run
     logprobs: np.ndarray  # bool [Bb] whether the request wants logprobs
     rows: int  # R
-    # presence, frequency, repetition f32 [Bb] and prompt_len int32 [Bb] (dspark_jax/penalties.py; verification
-    # only, as min_p); None: no penalties
+    # presence, frequency, repetition f32 [Bb] and prompt_len int32 [Bb] (dspark_jax/penalties.py; the target's
+    # side only, as min_p); None: none
     penalties: RowPenalties | None = None
 
     @property
@@ -522,7 +522,10 @@ class RunnerConfig:
         requests' chunks together).
     kernels: which path each kernel takes (`kernels.KernelConfig`, or one mode string for both).
     kv_dtype: the page pools' dtype, "auto" (= the target's dtype), "bfloat16" or "float32". Attention reads
-        the pages up to float32 whatever it is; writes cast to it."""
+        the pages up to float32 whatever it is; writes cast to it.
+    penalties: serve per-request repetition, frequency and presence penalties (dspark_jax/penalties.py): the
+        target's pool keeps every position's token id and the programs take each row's penalties. False (data
+        generation, `generate` without penalties) compiles the programs without them and their buffers."""
 
     max_batch: int
     num_pages: int
@@ -531,6 +534,7 @@ class RunnerConfig:
     chunk_sizes: tuple[int, ...] = (32, 128)
     kernels: kernels_lib.KernelConfig | str = "auto"
     kv_dtype: str = "auto"
+    penalties: bool = True
 
     def __post_init__(self):
         for name in ("max_batch", "num_pages", "page_size", "max_pages"):
@@ -593,7 +597,7 @@ class ModelRunner:
                                 sharding=paged_sharding(mesh, heads) if mesh is not None else self._placement,
                                 **extra)
 
-        self.target_kv = pool(target.config, token_ids=True, feature_sharding=self._placement)  # ids: penalties
+        self.target_kv = pool(target.config, token_ids=config.penalties, feature_sharding=self._placement)
         self.drafter_kv = None
         # On XLA:CPU the target's dense weights output-major (Target.serving_split), unless sharded.
         target_graph, self.target_params = target.serving_split(None if mesh is None else False)
@@ -749,7 +753,7 @@ class ModelRunner:
             top_p=per_request(top_p, np.float32, 1.0), min_p=per_request(min_p, np.float32),
             bias_ids=bias_ids, bias=bias_values, ban_until=ban_until, want_logprobs=np.bool_(logprobs),
             want_prompt_logprobs=np.bool_(next_tokens is not None),
-            penalties=penalty_rows(rows, penalties or ())))  # one upload for the pass
+            penalties=self._penalties(rows, penalties or ())))  # one upload for the pass
         s = self._static
         self.target_kv, self.drafter_kv, tok, lp, prompt_lp = prefill_program(
             self.target_params, self.drafter_params, self.target_kv, self.drafter_kv, chunk,
@@ -784,8 +788,17 @@ class ModelRunner:
             bias_ids=np.array(b.bias_ids, np.int32), bias=np.array(b.bias, np.float32),
             ban_until=np.array(b.ban_until, np.int32),
             keys=np.array(b.keys, np.uint32), rounds=np.array(b.rounds, np.int32), logprobs=np.array(b.logprobs, bool),
-            penalties=penalty_rows(len(b.lengths)) if b.penalties is None else RowPenalties(
-                *(np.array(x) for x in b.penalties))))
+            penalties=self._penalties(len(b.lengths), given=b.penalties)))
+
+    def _penalties(self, rows: int, per_request=(), given: RowPenalties | None = None) -> RowPenalties | None:
+        """A pass's penalties as its programs take them: `penalty_rows` of `per_request`, or a copy of the host
+        arrays `given`; None when this runner was built without penalties (where asking for one is an error)."""
+        out = penalty_rows(rows, per_request) if given is None else RowPenalties(*(np.array(x) for x in given))
+        if self.config.penalties:
+            return out
+        if np.any(out.presence != 0) or np.any(out.frequency != 0) or np.any(out.repetition != 1):
+            raise ValueError("this runner was built without penalties (RunnerConfig.penalties=False)")
+        return None
 
     def draft(self, b: StepBatch, dev: DeviceBatch | None = None):
         """(draft, q, confidence) device arrays for every row of the batch bucket; q is over the drafter's
@@ -893,7 +906,7 @@ class ModelRunner:
                          bias=np.zeros((Bb, LOGIT_BIAS_MAX), np.float32), ban_until=np.zeros(Bb, np.int32),
                          keys=np.zeros((Bb, 2), np.uint32),
                          rounds=np.zeros(Bb, np.int32), logprobs=np.zeros(Bb, bool), rows=rows,
-                         penalties=penalty_rows(Bb))
+                         penalties=penalty_rows(Bb) if self.config.penalties else None)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
     def warmup(self, modes: tuple[str, ...], max_draft: int | None = None, progress=None, plain: bool = False) -> None:

@@ -203,6 +203,11 @@ class EngineCore:
             frequency = check_frequency_penalty(p.frequency_penalty)
         with _field("repetition_penalty"):
             repetition = check_repetition_penalty(p.repetition_penalty)
+        if (presence, frequency, repetition) != (0.0, 0.0, 1.0) and not getattr(
+                getattr(self.runner, "config", None), "penalties", True):
+            raise InvalidRequest("this engine's runner was built without penalties (RunnerConfig.penalties=False)",
+                                 "presence_penalty" if presence else "frequency_penalty" if frequency
+                                 else "repetition_penalty")
         if p.seed is not None:
             with _field("seed"):
                 request_key_data(p.seed)  # raises for seeds outside 64 bits

@@ -532,11 +532,17 @@ def test_hostile_values_fail_alone_and_pages_cannot_leak(tiny, runners):
         core.step()
     assert outs["tiny-t"] == ref[0]
     assert core.pages.num_free == core.pages.num_pages
-    # Poison every page of both pools; the engine must not read any of it back.
+    pen = dict(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=8.0)  # read the token-id pool
+    penalized = _run_greedy(core, prompts[:3], tag="pen", **pen)
+    # Poison every page of both pools (K/V with NaN, the token ids with the last id, which no prompt holds); the
+    # engine must not read any of it back.
     runner = core.runner
-    nan = lambda kv: PagedKV(k=jnp.full_like(kv.k, jnp.nan), v=jnp.full_like(kv.v, jnp.nan), feat=kv.feat)  # noqa: E731
+    assert all(V - 1 not in p for p in prompts[:3])
+    nan = lambda kv: PagedKV(k=jnp.full_like(kv.k, jnp.nan), v=jnp.full_like(kv.v, jnp.nan), feat=kv.feat,  # noqa: E731
+                             ids=None if kv.ids is None else jnp.full_like(kv.ids, V - 1))
     runner.target_kv, runner.drafter_kv = nan(runner.target_kv), nan(runner.drafter_kv)
     assert _run_greedy(core, prompts, tag="poisoned") == ref
+    assert _run_greedy(core, prompts[:3], tag="pen-poisoned", **pen) == penalized != ref[:3]
     assert core.pages.num_free == core.pages.num_pages
 
 

@@ -589,7 +589,9 @@ def test_refusals_name_the_field_at_fault():
     core, _ = make_core("fixed:1", max_model_len=40, eos=(77,))
     cases = {"max_tokens": dict(max_tokens=-1), "stop_token_ids": dict(stop_token_ids=(V,)),
              "logit_bias": dict(logit_bias={V: 1.0}), "min_tokens": dict(min_tokens=5, max_tokens=4),
-             "seed": dict(seed=2**64), "logprobs": dict(logprobs=21), "min_p": dict(min_p=2.0)}
+             "seed": dict(seed=2**64), "logprobs": dict(logprobs=21), "min_p": dict(min_p=2.0),
+             "presence_penalty": dict(presence_penalty=2.5), "frequency_penalty": dict(frequency_penalty=float("nan")),
+             "repetition_penalty": dict(repetition_penalty=0.0)}
     for param, kw in cases.items():
         p = SamplingParams(**{"max_tokens": 4, "temperature": 0.0, **kw})
         with pytest.raises(InvalidRequest) as e:
@@ -601,6 +603,15 @@ def test_refusals_name_the_field_at_fault():
     assert e.value.param == "min_tokens"
     core.validate(EngineRequest(request_id="fits", prompt_ids=[1], on_output=Outputs(),
                                 params=dataclasses.replace(full, ignore_eos=True)))  # 64 bans without EOS fit
+    # A runner built without penalties (RunnerConfig.penalties=False) refuses them, naming the field.
+    runner = core.runner
+    runner.config = types.SimpleNamespace(penalties=False)
+    with pytest.raises(InvalidRequest, match="without penalties") as e:
+        core.validate(EngineRequest(request_id="pen", prompt_ids=[1], on_output=Outputs(),
+                                    params=SamplingParams(max_tokens=4, repetition_penalty=1.1)))
+    assert e.value.param == "repetition_penalty"
+    core.validate(EngineRequest(request_id="off", prompt_ids=[1], on_output=Outputs(),
+                                params=SamplingParams(max_tokens=4, repetition_penalty=1.0)))
 
 
 def expected_prompt_logprobs(prompt, k: int) -> list[tuple[int, float | None, tuple]]:

@@ -57,7 +57,7 @@ class SlotDecoder:
         pages = -(-(settings.capacity + 2) // PAGE_SIZE)
         self.runner = ModelRunner(target, None, RunnerConfig(max_batch=B, num_pages=B * pages, page_size=PAGE_SIZE,
                                                              max_pages=pages, chunk_sizes=(PROMPT_BUCKET,),
-                                                             kernels=settings.kernels))
+                                                             kernels=settings.kernels, penalties=False))
         self.tables = np.arange(B * pages, dtype=np.int32).reshape(B, pages)
         self.capacity = pick(B, self.runner.capacities)  # a plain step's tokens: one per slot
 
