@@ -412,21 +412,21 @@ def test_preemption_keeps_outputs_exact_and_returns_pages(tiny):
         # ids back (prompt, then its generated tokens as generated), so it decodes as it does alone.
         pen = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, presence_penalty=2.0,
                              frequency_penalty=2.0, repetition_penalty=8.0)  # this target repeats by far
-        together: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts):
-            engine.add_request(EngineRequest(request_id=f"p{i}", prompt_ids=p, params=pen,
-                                             on_output=lambda o: together.setdefault(o.request_id, []).extend(
-                                                 o.token_ids)))
-        assert engine.wait_idle(300)
-        assert engine.metrics()["preemptions_total"] > m["preemptions_total"]
-        alone: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts):
-            engine.add_request(EngineRequest(request_id=f"a{i}", prompt_ids=p, params=pen,
-                                             on_output=lambda o: alone.setdefault(o.request_id, []).extend(
-                                                 o.token_ids)))
+        def decode(tag: str, one_at_a_time: bool) -> list[list[int]]:
+            outs: dict[str, list[int]] = {}
+            for i, p in enumerate(prompts):
+                engine.add_request(EngineRequest(request_id=f"{tag}{i}", prompt_ids=p, params=pen,
+                                                 on_output=lambda o: outs.setdefault(o.request_id, []).extend(
+                                                     o.token_ids)))
+                if one_at_a_time:
+                    assert engine.wait_idle(300)
             assert engine.wait_idle(300)
-        assert [together[f"p{i}"] for i in range(len(prompts))] == [alone[f"a{i}"] for i in range(len(prompts))]
-        assert [alone[f"a{i}"] for i in range(len(prompts))] != ref
+            return [outs[f"{tag}{i}"] for i in range(len(prompts))]
+
+        together = decode("p", one_at_a_time=False)
+        assert engine.metrics()["preemptions_total"] > m["preemptions_total"]
+        alone = decode("a", one_at_a_time=True)
+        assert together == alone != ref
     finally:
         engine.stop()
 
